@@ -1,0 +1,59 @@
+import os
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+os.environ.setdefault("WANDB_MODE", "disabled")
+
+import pytest
+import torch
+
+torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "slow: end-to-end runs of several seconds or more (deselect with -m 'not slow')")
+    config.addinivalue_line("markers", "multiprocess: launches several processes with accelerate")
+
+
+@pytest.fixture(scope="session")
+def tokenizer():
+    from trl_gspo.quickstart.tokenizer import build_tokenizer
+
+    return build_tokenizer()
+
+
+def digit_reward(completions, **kwargs):
+    """Toy reward: fraction of completion characters that are the digit 7 (learnable, varies within a group)."""
+    return [sum(ch == "7" for ch in c) / max(len(c), 1) for c in completions]
+
+
+def toy_dataset(n=16):
+    from datasets import Dataset
+
+    return Dataset.from_dict({"prompt": [f"{i % 10}+{(3 * i) % 10}=" for i in range(n)]})
+
+
+def tiny_config(output_dir, config_cls=None, **overrides):
+    """A fast CPU GRPO/GSPO config: 4 prompts x 4 generations per step, short completions."""
+    from trl_gspo import GSPOConfig
+
+    config_cls = config_cls or GSPOConfig
+    kwargs = dict(
+        output_dir=str(output_dir),
+        use_cpu=True,
+        bf16=False,
+        report_to="none",
+        per_device_train_batch_size=8,
+        num_generations=4,
+        max_completion_length=6,
+        learning_rate=5e-3,
+        logging_steps=1,
+        save_strategy="no",
+        max_steps=3,
+        gradient_checkpointing=False,
+        seed=0,
+        disable_tqdm=True,
+    )
+    kwargs.update(overrides)
+    return config_cls(**kwargs)

@@ -1,0 +1,156 @@
+"""`GSPOConfig`: TRL's `GRPOConfig` plus the GSPO loss types, the paper's presets and early validation."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+
+from trl import GRPOConfig
+
+logger = logging.getLogger(__name__)
+
+GSPO_LOSS_TYPES = ("gspo", "gspo_token")
+# Loss types TRL 1.16 implements itself; GSPOTrainer hands these to `GRPOTrainer._compute_loss` untouched.
+TRL_LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "luspo", "vespo")
+
+# GSPO paper (arXiv 2507.18071), Section 5.1: clip range 3e-4 / 4e-4, no KL term, and each rollout batch
+# split into 4 mini-batches for gradient updates.
+PAPER_EPSILON_LOW = 3e-4
+PAPER_EPSILON_HIGH = 4e-4
+PAPER_BETA = 0.0
+PAPER_MINI_BATCHES_PER_ROLLOUT = 4
+
+
+@dataclass
+class GSPOConfig(GRPOConfig):
+    """Configuration for `GSPOTrainer`: every `trl.GRPOConfig` field, plus GSPO's loss types and presets.
+
+    For `loss_type="gspo"` or `"gspo_token"`, fields left unset take the GSPO paper's values (arXiv 2507.18071,
+    Section 5.1): `epsilon=3e-4`, `epsilon_high=4e-4`, `beta=0.0`, and `steps_per_generation =
+    4 * gradient_accumulation_steps` (each rollout batch is split into 4 mini-batches, so 3 of every 4 updates are
+    off-policy). A value you set explicitly is always kept. For TRL's own loss types the defaults are TRL's.
+
+    Parameters:
+        loss_type (`str`, defaults to `"gspo"`):
+            `"gspo"`: sequence-level ratio and clipping, Eq. 5 and 7. `"gspo_token"`: GSPO-token, Eq. 13-14, same
+            value and gradient as `"gspo"` with per-sequence advantages, and accepts per-token advantages (see
+            `GSPOTrainer.token_advantages`). Any TRL loss type (`"grpo"`, `"dapo"`, `"dr_grpo"`, `"bnpo"`,
+            `"cispo"`, `"sapo"`, `"luspo"`, `"vespo"`) runs TRL's own implementation.
+        epsilon (`float`, *optional*):
+            Lower clip range: ratios below `1 - epsilon` are clipped. GSPO paper: `3e-4`. TRL default: `0.2`.
+        epsilon_high (`float`, *optional*):
+            Upper clip range: ratios above `1 + epsilon_high` are clipped. GSPO paper: `4e-4`. For TRL's loss
+            types, `None` means "same as `epsilon`".
+        importance_sampling_level (`str`, *optional*):
+            For gspo types the ratio is per sequence by definition; `None` resolves to `"sequence"` and
+            `"token"` is refused. For TRL loss types `None` resolves to TRL's default `"token"`.
+        steps_per_generation (`int`, *optional*):
+            Mini-batches (optimizer micro-steps) per rollout batch. For gspo types `None` resolves to
+            `4 * gradient_accumulation_steps` (4 optimizer updates per rollout, as in the paper) unless
+            `generation_batch_size` is set. Equal to `gradient_accumulation_steps` with `num_iterations=1`
+            means fully on-policy training: every ratio is exactly 1 and GSPO coincides with GRPO.
+    """
+
+    loss_type: str = field(
+        default="gspo",
+        metadata={
+            "help": "Loss formulation. 'gspo' (sequence-level ratio, GSPO paper Eq. 5/7), 'gspo_token' (GSPO-token, "
+            "Eq. 13-14, accepts per-token advantages), or any TRL loss type: 'grpo', 'dapo', 'dr_grpo', 'bnpo', "
+            "'cispo', 'sapo', 'luspo', 'vespo' (TRL's own implementation is used)."
+        },
+    )
+    epsilon: float | None = field(
+        default=None,
+        metadata={"help": "Lower clip range. Unset: 3e-4 for gspo types (GSPO paper), 0.2 for TRL loss types."},
+    )
+    epsilon_high: float | None = field(
+        default=None,
+        metadata={
+            "help": "Upper clip range. Unset: 4e-4 for gspo types (GSPO paper); for TRL loss types, same as epsilon."
+        },
+    )
+    beta: float | None = field(
+        default=None,
+        metadata={"help": "KL coefficient to the reference model. Unset: 0.0 (GSPO paper and TRL default)."},
+    )
+    importance_sampling_level: str | None = field(
+        default=None,
+        metadata={
+            "help": "'token' or 'sequence'. Unset: 'sequence' for gspo types (the only valid value there), 'token' "
+            "for TRL loss types."
+        },
+    )
+    steps_per_generation: int | None = field(
+        default=None,
+        metadata={
+            "help": "Mini-batches per rollout batch. Unset for gspo types: 4 x gradient_accumulation_steps (GSPO "
+            "paper: 4 mini-batches per rollout batch, so training is off-policy); for TRL loss types: "
+            "gradient_accumulation_steps."
+        },
+    )
+
+    def __post_init__(self):
+        is_gspo = self.loss_type in GSPO_LOSS_TYPES
+        if self.epsilon is None:
+            self.epsilon = PAPER_EPSILON_LOW if is_gspo else 0.2
+        if self.epsilon_high is None and is_gspo:
+            self.epsilon_high = PAPER_EPSILON_HIGH
+        if self.beta is None:
+            self.beta = PAPER_BETA
+        if self.importance_sampling_level is None:
+            self.importance_sampling_level = "sequence" if is_gspo else "token"
+        if is_gspo and self.steps_per_generation is None and self.generation_batch_size is None:
+            self.steps_per_generation = PAPER_MINI_BATCHES_PER_ROLLOUT * self.gradient_accumulation_steps
+        validate_gspo_args(self)
+        super().__post_init__()
+
+
+def _error(option: str, problem: str, fix: str) -> ValueError:
+    return ValueError(f"`{option}`: {problem} Fix: {fix}")
+
+
+def validate_gspo_args(args: GRPOConfig) -> None:
+    """Check a `GRPOConfig`/`GSPOConfig` for options GSPO cannot honour. Raises `ValueError` naming the option.
+
+    Called by `GSPOConfig.__post_init__` and again by `GSPOTrainer.__init__` (for plain `GRPOConfig`s), before any
+    model is loaded.
+    """
+    known = GSPO_LOSS_TYPES + TRL_LOSS_TYPES
+    if args.loss_type not in known:
+        raise _error("loss_type", f"unknown value {args.loss_type!r}.", f"use one of {', '.join(map(repr, known))}.")
+    if args.importance_sampling_level not in ("token", "sequence"):
+        raise _error(
+            "importance_sampling_level",
+            f"unknown value {args.importance_sampling_level!r}.",
+            "use 'token' or 'sequence'.",
+        )
+    if args.loss_type not in GSPO_LOSS_TYPES:
+        return
+
+    epsilon_high = args.epsilon if args.epsilon_high is None else args.epsilon_high
+    if args.epsilon is None or not args.epsilon > 0 or not args.epsilon < 1:
+        raise _error("epsilon", f"must be in (0, 1) for loss_type={args.loss_type!r}, got {args.epsilon}.",
+                     "use the GSPO paper's 3e-4 (leave it unset in GSPOConfig).")
+    if not epsilon_high > 0:
+        raise _error("epsilon_high", f"must be > 0, got {epsilon_high}.", "use the GSPO paper's 4e-4.")
+    if args.beta is None or args.beta < 0:
+        raise _error("beta", f"must be >= 0, got {args.beta}.", "use 0.0 (GSPO paper) or a small positive KL weight.")
+    if isinstance(args, GSPOConfig) and args.importance_sampling_level == "token":
+        raise _error(
+            "importance_sampling_level",
+            f"loss_type={args.loss_type!r} always uses one importance ratio per sequence (Eq. 7); 'token' "
+            "contradicts it.",
+            "remove the option (it resolves to 'sequence'), or use loss_type='grpo' for token-level ratios.",
+        )
+    if args.delta is not None:
+        raise _error(
+            "delta",
+            "two-sided (INTELLECT-2) clipping is not part of the GSPO objective and is not applied by gspo types.",
+            "unset `delta`, or use loss_type='grpo'.",
+        )
+    if args.use_adaptive_entropy:
+        raise _error(
+            "use_adaptive_entropy",
+            "the adaptive entropy controller is only implemented inside TRL's own losses.",
+            "use a fixed `entropy_coef`, or a TRL loss type.",
+        )

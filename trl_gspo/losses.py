@@ -1,0 +1,240 @@
+"""GSPO policy losses as pure tensor functions.
+
+Equation numbers refer to *Group Sequence Policy Optimization* (Zheng et al., arXiv 2507.18071).
+Shapes: ``B`` completions (a group of ``G`` per prompt, several groups per batch), ``T`` completion
+positions. ``mask`` is 1 on valid completion tokens and 0 on padding. Nothing here knows about TRL, so any
+framework that has per-token log-probabilities can call these functions.
+
+All ratio arithmetic is done in at least float32, whatever the dtype of the log-probabilities: GSPO's clip
+band (3e-4) is far below bf16 resolution (7.8e-3 near 1.0).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+__all__ = [
+    "PolicyLossOutput",
+    "check_finite",
+    "sequence_log_ratio",
+    "gspo_loss",
+    "gspo_token_loss",
+    "k3_kl",
+    "masked_sequence_mean",
+]
+
+
+@dataclass
+class PolicyLossOutput:
+    """What a GSPO loss function returns.
+
+    Attributes:
+        per_token_loss: ``(B, T)`` loss at each valid token, 0 elsewhere. For ``gspo`` every valid token of
+            sequence ``i`` carries the sequence's loss, so its token mean is the sequence loss; this common form
+            lets callers apply token weights (KL, entropy masks, rollout corrections) the same way for both.
+        per_sequence_loss: ``(B,)`` loss of each completion, the token mean of ``per_token_loss``; the objective
+            is ``per_sequence_loss.mean()`` (Eq. 5 and 13 are plain means over sequences). Completions with no
+            valid token contribute 0.
+        log_ratio: ``(B,)`` ``log s_i`` (Eq. 7), detached, float32 or wider. 0 for empty completions.
+        low_clipped: ``(B, T)`` tokens whose objective is the clipped term on the low side
+            (``s < 1 - eps_low`` and advantage < 0), restricted to valid tokens.
+        high_clipped: ``(B, T)`` same on the high side (``s > 1 + eps_high`` and advantage > 0).
+    """
+
+    per_token_loss: torch.Tensor
+    per_sequence_loss: torch.Tensor
+    log_ratio: torch.Tensor
+    low_clipped: torch.Tensor
+    high_clipped: torch.Tensor
+
+    @property
+    def ratio(self) -> torch.Tensor:
+        """``(B,)`` sequence importance ratio ``s_i`` (Eq. 7), detached."""
+        return self.log_ratio.exp()
+
+
+def _compute_dtype(*tensors: torch.Tensor) -> torch.dtype:
+    dtype = torch.float32
+    for tensor in tensors:
+        if tensor.is_floating_point():
+            dtype = torch.promote_types(dtype, tensor.dtype)
+    return dtype
+
+
+def check_finite(name: str, values: torch.Tensor, mask: torch.Tensor | None = None) -> None:
+    """Raise ``ValueError`` if ``values`` holds NaN or Inf where ``mask`` is set (everywhere if no mask)."""
+    bad = ~torch.isfinite(values)
+    if mask is not None:
+        bad = bad & mask.bool()
+    if bool(bad.any()):
+        count = int(bad.sum())
+        raise ValueError(
+            f"`{name}` contains {count} NaN/Inf value(s) at valid completion positions. The policy or the "
+            "rollout produced non-finite log-probabilities (diverged weights, an fp16 overflow, or a bad reward "
+            "scale). Lower the learning rate, use bf16/fp32 instead of fp16, or check the reward functions."
+        )
+
+
+def _check_shapes(logps: torch.Tensor, old_logps: torch.Tensor, mask: torch.Tensor) -> None:
+    if logps.dim() != 2:
+        raise ValueError(f"`logps` must have shape (B, T), got {tuple(logps.shape)}.")
+    if old_logps.shape != logps.shape or mask.shape != logps.shape:
+        raise ValueError(
+            f"`logps` {tuple(logps.shape)}, `old_logps` {tuple(old_logps.shape)} and `mask` {tuple(mask.shape)} "
+            "must have the same (B, T) shape."
+        )
+
+
+def _check_clip_range(eps_low: float, eps_high: float) -> None:
+    if not eps_low > 0 or not eps_high > 0:
+        raise ValueError(f"clip ranges must be positive, got eps_low={eps_low}, eps_high={eps_high}.")
+    if eps_low >= 1:
+        raise ValueError(f"eps_low must be < 1 so that 1 - eps_low > 0, got {eps_low}.")
+
+
+def masked_sequence_mean(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """``(B,)`` mean of ``values`` over each row's valid tokens; 0 for a row with none."""
+    mask = mask.to(values.dtype)
+    return (values * mask).sum(-1) / mask.sum(-1).clamp(min=1.0)
+
+
+def sequence_log_ratio(logps: torch.Tensor, old_logps: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Length-normalized sequence log importance ratio, Eq. 7.
+
+    ``log s_i = (1/|y_i|) * sum_t [log pi_theta(y_i,t | x, y_i,<t) - log pi_old(y_i,t | x, y_i,<t)]``
+
+    Differentiable in ``logps``. Returns ``(B,)`` in float32 (or float64 for float64 inputs); 0 for a completion
+    with no valid token.
+    """
+    _check_shapes(logps, old_logps, mask)
+    dtype = _compute_dtype(logps, old_logps)
+    token_log_ratio = logps.to(dtype) - old_logps.to(dtype)
+    # Masked positions may hold anything (even NaN from padding): select instead of multiplying.
+    token_log_ratio = torch.where(mask.bool(), token_log_ratio, torch.zeros_like(token_log_ratio))
+    return masked_sequence_mean(token_log_ratio, mask)
+
+
+def _clipped_surrogate(ratio, advantages, eps_low, eps_high):
+    """``-min(r A, clip(r, 1-eps_low, 1+eps_high) A)`` and the low/high clip indicators."""
+    clipped_ratio = torch.clamp(ratio, 1.0 - eps_low, 1.0 + eps_high)
+    loss = -torch.minimum(ratio * advantages, clipped_ratio * advantages)
+    low = (ratio.detach() < 1.0 - eps_low) & (advantages < 0)
+    high = (ratio.detach() > 1.0 + eps_high) & (advantages > 0)
+    return loss, low, high
+
+
+def gspo_loss(
+    logps: torch.Tensor,
+    old_logps: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    eps_low: float = 3e-4,
+    eps_high: float = 4e-4,
+    check_inputs: bool = True,
+) -> PolicyLossOutput:
+    """GSPO sequence-level clipped objective, Eq. 5 with the ratio of Eq. 7.
+
+    ``J(theta) = E[ (1/G) sum_i min(s_i A_i, clip(s_i, 1 - eps_low, 1 + eps_high) A_i) ]``
+
+    The loss is ``-J``, one value per sequence: the objective is a plain mean over sequences, never weighted by
+    length. Gradients flow through ``logps`` only; ``old_logps`` and ``advantages`` are constants.
+
+    Args:
+        logps: ``(B, T)`` log pi_theta of the sampled completion tokens (requires grad).
+        old_logps: ``(B, T)`` log pi_old of the same tokens (the policy that sampled them).
+        advantages: ``(B,)`` group-normalized advantages ``A_i`` (Eq. 6), or ``(B, 1)``.
+        mask: ``(B, T)`` 1 for valid completion tokens.
+        eps_low, eps_high: clip range; the paper uses 3e-4 and 4e-4.
+        check_inputs: raise ``ValueError`` on NaN/Inf at valid positions.
+    """
+    _check_clip_range(eps_low, eps_high)
+    advantages = advantages.reshape(-1)
+    if advantages.shape[0] != logps.shape[0]:
+        raise ValueError(
+            f"`advantages` must have one value per sequence ({logps.shape[0]}), got shape {tuple(advantages.shape)}. "
+            "Per-token advantages need `gspo_token_loss`."
+        )
+    if check_inputs:
+        check_finite("logps", logps, mask)
+        check_finite("old_logps", old_logps, mask)
+        check_finite("advantages", advantages)
+    log_ratio = sequence_log_ratio(logps, old_logps, mask)
+    ratio = torch.exp(log_ratio)
+    advantages = advantages.to(log_ratio.dtype)
+    loss, low, high = _clipped_surrogate(ratio, advantages, eps_low, eps_high)
+    valid = mask.bool()
+    # An empty completion has no tokens to reinforce: zero value, zero gradient.
+    per_token_loss = torch.where(valid, loss[:, None], torch.zeros((), dtype=loss.dtype, device=loss.device))
+    return PolicyLossOutput(
+        per_token_loss=per_token_loss,
+        per_sequence_loss=torch.where(valid.any(-1), loss, torch.zeros_like(loss)),
+        log_ratio=log_ratio.detach(),
+        low_clipped=low[:, None] & valid,
+        high_clipped=high[:, None] & valid,
+    )
+
+
+def gspo_token_loss(
+    logps: torch.Tensor,
+    old_logps: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    eps_low: float = 3e-4,
+    eps_high: float = 4e-4,
+    check_inputs: bool = True,
+) -> PolicyLossOutput:
+    """GSPO-token objective, Eq. 13 with the token ratio of Eq. 14.
+
+    ``s_i,t = sg[s_i] * pi_theta(y_i,t) / sg[pi_theta(y_i,t)]``
+
+    ``J(theta) = E[ (1/G) sum_i (1/|y_i|) sum_t min(s_i,t A_i,t, clip(s_i,t, 1 - eps_low, 1 + eps_high) A_i,t) ]``
+
+    ``s_i,t`` equals ``s_i`` in value, so the clip decision is per sequence, but each token carries its own
+    advantage. With ``A_i,t = A_i`` for every token this equals :func:`gspo_loss` in value and gradient.
+
+    Args:
+        advantages: ``(B, T)`` per-token advantages, or ``(B,)`` / ``(B, 1)`` per-sequence advantages
+            (broadcast over tokens).
+        Other arguments as in :func:`gspo_loss`.
+    """
+    _check_clip_range(eps_low, eps_high)
+    batch, length = logps.shape if logps.dim() == 2 else (None, None)
+    if advantages.dim() == 1:
+        advantages = advantages[:, None]
+    if advantages.dim() != 2 or advantages.shape[0] != batch or advantages.shape[1] not in (1, length):
+        raise ValueError(
+            f"`advantages` must have shape (B,), (B, 1) or (B, T) = ({batch}, {length}); got {tuple(advantages.shape)}."
+        )
+    if check_inputs:
+        check_finite("logps", logps, mask)
+        check_finite("old_logps", old_logps, mask)
+        check_finite("advantages", advantages, mask if advantages.shape[1] == length else None)
+    log_ratio = sequence_log_ratio(logps, old_logps, mask)
+    dtype = log_ratio.dtype
+    token_logps = logps.to(dtype)
+    # Eq. 14 in log space: log s_i,t = sg[log s_i] + log pi(y_t) - sg[log pi(y_t)].
+    token_log_ratio = log_ratio.detach()[:, None] + token_logps - token_logps.detach()
+    token_ratio = torch.exp(token_log_ratio)
+    advantages = advantages.to(dtype).expand(-1, length)
+    token_loss, low, high = _clipped_surrogate(token_ratio, advantages, eps_low, eps_high)
+    valid = mask.bool()
+    token_loss = torch.where(valid, token_loss, torch.zeros_like(token_loss))
+    return PolicyLossOutput(
+        per_token_loss=token_loss,
+        per_sequence_loss=masked_sequence_mean(token_loss, mask),
+        log_ratio=log_ratio.detach(),
+        low_clipped=low & valid,
+        high_clipped=high & valid,
+    )
+
+
+def k3_kl(logps: torch.Tensor, ref_logps: torch.Tensor) -> torch.Tensor:
+    """Per-token KL estimator to the reference policy (Schulman's k3, as in GRPO):
+
+    ``KL_t = pi_ref/pi_theta - log(pi_ref/pi_theta) - 1``, non-negative, unbiased for KL(pi_theta || pi_ref).
+    """
+    dtype = _compute_dtype(logps, ref_logps)
+    delta = ref_logps.to(dtype) - logps.to(dtype)
+    return torch.exp(delta) - delta - 1.0

@@ -1,0 +1,229 @@
+"""`GSPOTrainer`: TRL's `GRPOTrainer` with GSPO's loss. Everything else (generation, rewards, advantages,
+logging, distributed training, checkpoints) is TRL's own."""
+
+from __future__ import annotations
+
+import inspect
+import logging
+
+import torch
+from trl import GRPOTrainer
+
+from .config import GSPO_LOSS_TYPES, PAPER_EPSILON_HIGH, PAPER_EPSILON_LOW, GSPOConfig, validate_gspo_args
+from .losses import gspo_loss, gspo_token_loss, k3_kl, masked_sequence_mean, sequence_log_ratio
+
+logger = logging.getLogger(__name__)
+
+# Arguments of `_get_per_token_logps_and_entropies` that are model inputs carried in the batch dict (images,
+# token types, ...). Read from TRL's signature so new multimodal inputs are forwarded without code changes here.
+_NOT_BATCH_KEYS = {"self", "model", "input_ids", "attention_mask", "logits_to_keep", "batch_size",
+                   "compute_entropy", "compute_aux_loss"}
+_FORWARD_BATCH_KEYS = tuple(
+    name for name in inspect.signature(GRPOTrainer._get_per_token_logps_and_entropies).parameters
+    if name not in _NOT_BATCH_KEYS
+)
+
+
+class GSPOTrainer(GRPOTrainer):
+    """Drop-in replacement for `trl.GRPOTrainer` that adds `loss_type="gspo"` and `loss_type="gspo_token"`.
+
+    Takes exactly `GRPOTrainer`'s arguments. `args` may be a `GSPOConfig` (paper presets for gspo types) or TRL's
+    own `GRPOConfig` (a warning names the paper's values if they differ). Other loss types run TRL's code.
+
+    The loss for gspo types (see `trl_gspo.losses`):
+    `loss = mean_i [ mean_t (policy_loss_i,t * w_i,t + beta * KL_i,t) ] / gradient_accumulation_steps`
+    where `w` is the product of TRL's optional token weights (off-policy sequence mask, top-entropy token mask,
+    vLLM importance-sampling correction). This is TRL's `"grpo"` aggregation, so multi-process and gradient
+    accumulation normalization match TRL's `loss_type="grpo"` exactly.
+    """
+
+    def __init__(self, model, reward_funcs=None, args=None, *positional, **kwargs):
+        if args is None:
+            name = model if isinstance(model, str) else getattr(model.config, "_name_or_path", "model")
+            args = GSPOConfig(output_dir=f"{str(name).rstrip('/').split('/')[-1] or 'model'}-GSPO")
+        # Validate before TRL loads models or datasets: a bad option should cost nothing.
+        validate_gspo_args(args)
+        if args.loss_type in GSPO_LOSS_TYPES:
+            _warn_about_setup(args)
+        super().__init__(model, reward_funcs, args, *positional, **kwargs)
+
+    # ------------------------------------------------------------------ extension point
+    def token_advantages(self, inputs: dict, mask: torch.Tensor) -> torch.Tensor:
+        """Advantages per completion token, `(B, T)`, used by `loss_type="gspo_token"`.
+
+        The default broadcasts TRL's per-sequence advantages `inputs["advantages"]` (shape `(B,)`) over each
+        completion's tokens, which makes `gspo_token` identical to `gspo`. Override it for per-token credit
+        assignment, e.g. multi-turn RL where each turn gets its own advantage; `inputs` is the batch dict TRL
+        built in `_generate_and_score_completions` (extend that method to carry extra per-sample tensors: they
+        are shuffled and split with the batch). Return a float tensor of `mask`'s shape.
+        """
+        advantages = inputs["advantages"]
+        if advantages.dim() == 2:  # a subclass already produced per-token advantages
+            return advantages.expand_as(mask) if advantages.shape[1] == 1 else advantages
+        return advantages[:, None].expand_as(mask)
+
+    # ------------------------------------------------------------------ loss
+    def _compute_loss(self, model, inputs):
+        if self.loss_type not in GSPO_LOSS_TYPES:
+            return super()._compute_loss(model, inputs)
+
+        mode = "train" if self.model.training else "eval"
+        prompt_ids, completion_ids = inputs["prompt_ids"], inputs["completion_ids"]
+        mask = inputs["completion_mask"]
+        if "tool_mask" in inputs:  # tool outputs inside a completion are not the policy's tokens
+            mask = mask * inputs["tool_mask"]
+        logps, entropies, aux_loss = self._get_per_token_logps_and_entropies(
+            model,
+            torch.cat([prompt_ids, completion_ids], dim=1),
+            torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], dim=1),
+            completion_ids.size(1),
+            compute_entropy=True,
+            compute_aux_loss=self.aux_loss_enabled,
+            **{key: inputs.get(key) for key in _FORWARD_BATCH_KEYS},
+        )
+        # TRL skips the old-policy pass when training is fully on-policy: then pi_old = pi_theta, every ratio is 1.
+        old_logps = inputs.get("old_per_token_logps")
+        old_logps = logps.detach() if old_logps is None else old_logps
+
+        if self.loss_type == "gspo":
+            if inputs["advantages"].dim() == 2 and inputs["advantages"].shape[1] > 1:
+                raise ValueError(
+                    "`loss_type='gspo'` needs one advantage per sequence but the batch holds per-token advantages "
+                    f"of shape {tuple(inputs['advantages'].shape)}. Fix: use `loss_type='gspo_token'`."
+                )
+            out = gspo_loss(logps, old_logps, inputs["advantages"], mask, self.epsilon_low, self.epsilon_high)
+        else:
+            advantages = self.token_advantages(inputs, mask)
+            out = gspo_token_loss(logps, old_logps, advantages, mask, self.epsilon_low, self.epsilon_high)
+
+        # Optional per-token weights from TRL features, applied as TRL's "grpo" loss applies them.
+        per_token_loss = out.per_token_loss
+        if self.off_policy_mask_threshold is not None:
+            per_token_loss = per_token_loss * self._off_policy_keep(inputs, logps, old_logps, mask)
+        if self.top_entropy_quantile < 1.0:
+            entropy_mask = self.get_high_entropy_mask(entropies, mask, 1 - self.top_entropy_quantile)
+            per_token_loss = per_token_loss * entropy_mask
+        else:
+            entropy_mask = None
+        if self.use_vllm and self.vllm_importance_sampling_correction:
+            per_token_loss = per_token_loss * inputs["importance_sampling_ratio"]
+        if self.beta != 0.0:
+            per_token_kl = k3_kl(logps, inputs["ref_per_token_logps"])
+            if self.args.use_bias_correction_kl:
+                per_token_kl = per_token_kl * torch.exp(sequence_log_ratio(logps, old_logps, mask))[:, None]
+            per_token_loss = per_token_loss + self.beta * per_token_kl
+
+        accumulation = self.current_gradient_accumulation_steps if mode == "train" else 1.0
+        policy_loss = masked_sequence_mean(per_token_loss, mask).mean()
+        loss = policy_loss / accumulation
+        if self._entropy_bonus_enabled:  # L = L_policy - coef * H, H the mean entropy of the trained tokens
+            entropy_mask_or_all = mask if entropy_mask is None else mask * entropy_mask
+            loss = loss - self.entropy_coef * masked_token_mean(entropies, entropy_mask_or_all) / accumulation
+        if self.aux_loss_enabled:
+            loss = loss + self.router_aux_loss_coef * aux_loss / accumulation
+            self._metrics[mode]["aux_loss"].append(self.accelerator.gather(aux_loss.detach()).mean().item())
+
+        self._log_gspo_metrics(mode, out, mask, entropies, policy_loss.detach(),
+                               per_token_kl if self.beta != 0.0 else None)
+        return loss
+
+    def _off_policy_keep(self, inputs, logps, old_logps, mask):
+        """TRL's off-policy sequence mask (DeepSeek-V3.2), `(B, 1)`: drop negative-advantage sequences whose
+        sampling policy drifted more than `off_policy_mask_threshold` (mean per-token KL)."""
+        advantages = inputs["advantages"]
+        if advantages.dim() == 2 and advantages.shape[1] > 1:
+            raise ValueError(
+                "`off_policy_mask_threshold` keeps or drops whole sequences by the sign of their advantage, which "
+                "per-token advantages do not define. Fix: unset `off_policy_mask_threshold`."
+            )
+        return self.get_off_policy_mask(
+            advantages=advantages.reshape(-1, 1),
+            per_token_logps=logps,
+            sampling_per_token_logps=inputs.get("sampling_per_token_logps", old_logps),
+            mask=mask,
+            off_policy_threshold=self.off_policy_mask_threshold,
+        )
+
+    # ------------------------------------------------------------------ metrics
+    def _log_gspo_metrics(self, mode, out, mask, entropies, policy_loss, per_token_kl):
+        """Logged through TRL's `_metrics`, so every `report_to` backend receives them. See docs/metrics.md."""
+        gather = self.accelerator.gather
+        metrics = self._metrics[mode]
+        valid = mask.bool()
+        has_tokens = valid.any(-1)
+
+        def global_token_mean(values):
+            totals = self.accelerator.reduce(
+                torch.stack([(values * mask).sum().float(), mask.sum().float()]), reduction="sum"
+            )
+            return (totals[0] / totals[1].clamp(min=1.0)).item()
+
+        if per_token_kl is not None:
+            metrics["kl"].append(global_token_mean(per_token_kl.detach()))
+        metrics["entropy"].append(global_token_mean(entropies.detach()))
+        metrics["policy_loss"].append(gather(policy_loss).mean().item())
+
+        # Sequence-level clip indicators: a sequence counts as clipped if its ratio was clipped (for gspo_token
+        # with per-token advantages: if any of its tokens was).
+        low_seq = out.low_clipped.any(-1).float()
+        high_seq = out.high_clipped.any(-1).float()
+        region_seq = (out.low_clipped | out.high_clipped).any(-1).float()
+        low_seq, high_seq, region_seq = gather(low_seq), gather(high_seq), gather(region_seq)
+        metrics["clip_ratio/low_mean"].append(low_seq.mean().item())
+        metrics["clip_ratio/low_min"].append(low_seq.min().item())
+        metrics["clip_ratio/high_mean"].append(high_seq.mean().item())
+        metrics["clip_ratio/high_max"].append(high_seq.max().item())
+        metrics["clip_ratio/region_mean"].append(region_seq.mean().item())
+        # The paper's "fraction of clipped tokens": completion tokens whose objective term was clipped.
+        clipped_tokens = (out.low_clipped | out.high_clipped).float()
+        metrics["gspo/clipped_token_fraction"].append(global_token_mean(clipped_tokens))
+
+        log_ratio = gather(out.log_ratio.float())
+        nonempty = gather(has_tokens)
+        log_ratio = log_ratio[nonempty] if bool(nonempty.any()) else log_ratio.new_zeros(1)
+        ratio = log_ratio.exp()
+        metrics["gspo/ratio_mean"].append(ratio.mean().item())
+        metrics["gspo/ratio_std"].append(ratio.std().item() if ratio.numel() > 1 else 0.0)
+        metrics["gspo/ratio_min"].append(ratio.min().item())
+        metrics["gspo/ratio_max"].append(ratio.max().item())
+        metrics["gspo/log_ratio_abs_max"].append(log_ratio.abs().max().item())
+
+
+def masked_token_mean(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    mask = mask.to(values.dtype)
+    return (values * mask).sum() / mask.sum().clamp(min=1.0)
+
+
+_warned: set[str] = set()
+
+
+def _warn_once(key: str, message: str) -> None:
+    if key not in _warned:
+        _warned.add(key)
+        logger.warning(message)
+
+
+def _warn_about_setup(args) -> None:
+    if not isinstance(args, GSPOConfig):
+        epsilon_high = args.epsilon if args.epsilon_high is None else args.epsilon_high
+        if (args.epsilon, epsilon_high) != (PAPER_EPSILON_LOW, PAPER_EPSILON_HIGH):
+            _warn_once(
+                "paper_eps",
+                f"loss_type={args.loss_type!r} with TRL's GRPOConfig: clip range epsilon={args.epsilon}, "
+                f"epsilon_high={epsilon_high}. The GSPO paper uses epsilon=3e-4, epsilon_high=4e-4, beta=0 and "
+                "steps_per_generation = 4 x gradient_accumulation_steps; trl_gspo.GSPOConfig applies these "
+                "by default.",
+            )
+    generate_every = args.steps_per_generation * args.num_iterations
+    on_policy = args.gradient_accumulation_steps % generate_every == 0 and not (
+        args.use_vllm and args.vllm_importance_sampling_correction
+    )
+    if on_policy:
+        _warn_once(
+            "on_policy",
+            f"loss_type={args.loss_type!r} with steps_per_generation={args.steps_per_generation}, "
+            f"num_iterations={args.num_iterations}, gradient_accumulation_steps={args.gradient_accumulation_steps}: "
+            "training is fully on-policy, so every importance ratio is exactly 1 and nothing is ever clipped "
+            "(GSPO then coincides with GRPO). For the paper's off-policy setup set steps_per_generation to "
+            "4 x gradient_accumulation_steps or num_iterations > 1.",
+        )
