@@ -1,0 +1,90 @@
+"""End-of-run report: a short summary on stdout and a PNG of the reward and clip-fraction curves."""
+
+from __future__ import annotations
+
+import os
+import time
+
+from transformers import TrainerCallback
+
+CLIP_KEYS = ("clip_ratio/region_mean", "gspo/clipped_token_fraction")
+
+
+def _series(log_history: list[dict], key: str) -> tuple[list[int], list[float]]:
+    points = [(entry["step"], float(entry[key])) for entry in log_history if entry.get(key) is not None]
+    return [p[0] for p in points], [p[1] for p in points]
+
+
+def summarize(log_history: list[dict]) -> dict:
+    """Reward of the first and last logging windows, mean clip fractions, number of logged steps."""
+    _, rewards = _series(log_history, "reward")
+    summary = {"reward_first": rewards[0] if rewards else None, "reward_last": rewards[-1] if rewards else None}
+    for key in CLIP_KEYS:
+        _, values = _series(log_history, key)
+        summary[key] = sum(values) / len(values) if values else None
+    return summary
+
+
+def plot_training_curves(log_history: list[dict], path: str, title: str = "") -> str:
+    """Write reward (left) and clip fractions (right) per optimizer step to `path` (PNG)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (left, right) = plt.subplots(1, 2, figsize=(10, 3.6))
+    steps, rewards = _series(log_history, "reward")
+    left.plot(steps, rewards, marker="o", markersize=3)
+    left.set(xlabel="optimizer step", ylabel="mean reward", title="reward")
+    left.grid(alpha=0.3)
+    for key in CLIP_KEYS + ("clip_ratio/low_mean", "clip_ratio/high_mean"):
+        steps, values = _series(log_history, key)
+        if values:
+            right.plot(steps, values, label=key, linewidth=1.2)
+    right.set(xlabel="optimizer step", ylabel="fraction", title="clipping")
+    right.legend(fontsize=7)
+    right.grid(alpha=0.3)
+    if title:
+        fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+class RunReportCallback(TrainerCallback):
+    """Prints a summary at the end of training and writes `training_curves.png` to `output_dir`."""
+
+    def __init__(self, plot: bool = True):
+        self.plot = plot
+        self._started = None
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        self._started = time.perf_counter()
+
+    def on_train_end(self, args, state, control, **kwargs):
+        if not state.is_world_process_zero:
+            return
+        summary = summarize(state.log_history)
+        elapsed = time.perf_counter() - (self._started or time.perf_counter())
+        fmt = lambda v: "n/a" if v is None else f"{v:.3f}"  # noqa: E731
+        lines = [
+            "",
+            "=" * 60,
+            f"trl-gspo run summary ({getattr(args, 'loss_type', '?')})",
+            f"  optimizer steps:       {state.global_step}",
+            f"  reward first -> last:  {fmt(summary['reward_first'])} -> {fmt(summary['reward_last'])}"
+            "  (mean reward of the first and last logging windows)",
+            f"  sequences clipped:     {fmt(summary['clip_ratio/region_mean'])} (mean clip_ratio/region_mean)",
+            f"  tokens clipped:        {fmt(summary['gspo/clipped_token_fraction'])} "
+            "(mean gspo/clipped_token_fraction)",
+            f"  wall time:             {elapsed:.0f}s",
+        ]
+        if self.plot:
+            os.makedirs(args.output_dir, exist_ok=True)
+            path = plot_training_curves(state.log_history, os.path.join(args.output_dir, "training_curves.png"),
+                                        title=f"{getattr(args, 'loss_type', '')} - {args.output_dir}")
+            lines.append(f"  curves:                {path}")
+        lines.append(f"  trainer state:         {os.path.join(args.output_dir, 'trainer_state.json')}")
+        lines.append("=" * 60)
+        print("\n".join(lines), flush=True)

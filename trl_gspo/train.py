@@ -1,0 +1,164 @@
+"""Training entry point: `python -m trl_gspo.train --config recipe.yaml` (what `trl-gspo` launches).
+
+Also runs under `accelerate launch [options] -m trl_gspo.train --config recipe.yaml`.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import sys
+import time
+
+from .cli import RecipeError, describe, parse_recipe
+
+BUILTIN_PREFIX = "builtin:"
+BUILTIN_MODELS = ("tiny-qwen3-moe", "tiny-qwen3")
+BUILTIN_DATASETS = ("addition",)
+
+
+def _reward_functions(script_args):
+    """Reward callables from names: trl_gspo's built-ins, TRL's registry (as in `trl grpo`), dotted paths."""
+    from trl.rewards import accuracy_reward, get_soft_overlong_punishment, reasoning_accuracy_reward, think_format_reward
+
+    from .quickstart import task
+
+    registry = {
+        "digit_match_reward": task.digit_match_reward,
+        "exact_match_reward": task.exact_match_reward,
+        "accuracy_reward": accuracy_reward,
+        "reasoning_accuracy_reward": reasoning_accuracy_reward,
+        "think_format_reward": think_format_reward,
+        "get_soft_overlong_punishment": get_soft_overlong_punishment(max_completion_len=1280, soft_punish_cache=256),
+    }
+    rewards = [script_args.reward_model_name_or_path] if script_args.reward_model_name_or_path else []
+    for name in script_args.reward_funcs or []:
+        if name in registry:
+            rewards.append(registry[name])
+        elif "." in name:
+            module_name, attribute = name.rsplit(".", 1)
+            sys.path.insert(0, os.getcwd())
+            try:
+                rewards.append(getattr(importlib.import_module(module_name), attribute))
+            except (ImportError, AttributeError) as err:
+                raise RecipeError(f"`reward_funcs`: cannot import {name!r} ({err}). Fix: give an importable "
+                                  "`module.function` path.") from None
+        else:
+            raise RecipeError(f"`reward_funcs`: unknown reward {name!r}. Fix: use one of {sorted(registry)} or a "
+                              "dotted path `module.function`.")
+    if not rewards:
+        raise RecipeError("no reward: set `reward_funcs` (e.g. [digit_match_reward]) or `reward_model_name_or_path`.")
+    return rewards
+
+
+def _load_dataset(script_args, dataset_args):
+    from datasets import DatasetDict, load_dataset
+    from trl import get_dataset
+
+    name = script_args.dataset_name
+    if name and name.startswith(BUILTIN_PREFIX):
+        from .quickstart import task
+
+        if name[len(BUILTIN_PREFIX):] not in BUILTIN_DATASETS:
+            raise RecipeError(f"`dataset_name`: unknown built-in {name!r}. Fix: use one of "
+                              f"{[BUILTIN_PREFIX + d for d in BUILTIN_DATASETS]}.")
+        return DatasetDict({
+            script_args.dataset_train_split: task.make_dataset(script_args.builtin_num_examples, seed=0),
+            script_args.dataset_test_split: task.make_dataset(256, seed=1),
+        })
+    if dataset_args.datasets:
+        return get_dataset(dataset_args)
+    if name:
+        return load_dataset(name, name=script_args.dataset_config, streaming=script_args.dataset_streaming)
+    raise RecipeError("no dataset: set `dataset_name` (e.g. builtin:addition or a hub id) or `datasets`.")
+
+
+def _prepare_builtin_model(script_args, training_args, model_args):
+    """Build the tiny model and tokenizer, optionally SFT cold-start them, and save them under `output_dir` so
+    TRL can load them by path (the reference model for `beta > 0` is reloaded from that path too)."""
+    from accelerate import PartialState
+
+    from .quickstart import model as builtin_models
+    from .quickstart.cold_start import sft_cold_start
+    from .quickstart.tokenizer import build_tokenizer
+
+    name = model_args.model_name_or_path[len(BUILTIN_PREFIX):]
+    if name not in BUILTIN_MODELS:
+        raise RecipeError(f"`model_name_or_path`: unknown built-in {model_args.model_name_or_path!r}. Fix: use one "
+                          f"of {[BUILTIN_PREFIX + m for m in BUILTIN_MODELS]} or a hub id / local path.")
+    path = os.path.join(training_args.output_dir, "initial_model")
+    state = PartialState()
+    with state.main_process_first():
+        if state.is_main_process:
+            tokenizer = build_tokenizer()
+            build = builtin_models.build_model if name == "tiny-qwen3-moe" else builtin_models.build_dense_model
+            model = build(tokenizer, seed=training_args.seed)
+            if script_args.sft_steps > 0:
+                print(f"[trl-gspo] supervised cold start: {script_args.sft_steps} steps", flush=True)
+                started = time.perf_counter()
+                model = sft_cold_start(model, tokenizer, os.path.join(training_args.output_dir, "sft"),
+                                       max_steps=script_args.sft_steps, seed=training_args.seed,
+                                       learning_rate=script_args.sft_learning_rate)
+                print(f"[trl-gspo] cold start done in {time.perf_counter() - started:.0f}s", flush=True)
+            model.save_pretrained(path)
+            tokenizer.save_pretrained(path)
+    return path
+
+
+def run(script_args, training_args, model_args, dataset_args) -> "GSPOTrainer":  # noqa: F821
+    from trl import get_peft_config, get_quantization_config
+
+    from .reporting import RunReportCallback
+    from .trainer import GSPOTrainer
+
+    if script_args.sft_steps and not (script_args.dataset_name or "").startswith(BUILTIN_PREFIX):
+        raise RecipeError("`sft_steps` needs a `builtin:` dataset (it trains on the task's reference answers). "
+                          "Fix: set sft_steps: 0, or cold-start your model with `trl sft` first.")
+    rewards = _reward_functions(script_args)
+    dataset = _load_dataset(script_args, dataset_args)
+
+    model = model_args.model_name_or_path
+    if model is None:
+        raise RecipeError("`model_name_or_path` is not set. Fix: builtin:tiny-qwen3-moe, a hub id or a local path.")
+    if model.startswith(BUILTIN_PREFIX):
+        model = _prepare_builtin_model(script_args, training_args, model_args)
+    model_init_kwargs = dict(revision=model_args.model_revision, trust_remote_code=training_args.trust_remote_code,
+                             attn_implementation=model_args.attn_implementation, dtype=model_args.dtype)
+    model_init_kwargs.update(training_args.model_init_kwargs or {})
+    training_args.model_init_kwargs = model_init_kwargs
+
+    trainer = GSPOTrainer(
+        model=model,
+        reward_funcs=rewards,
+        args=training_args,
+        train_dataset=dataset[script_args.dataset_train_split],
+        eval_dataset=dataset[script_args.dataset_test_split] if training_args.eval_strategy != "no" else None,
+        quantization_config=get_quantization_config(model_args),
+        peft_config=get_peft_config(model_args),
+        callbacks=[RunReportCallback(plot=script_args.plot)],
+    )
+    trainer.train(resume_from_checkpoint=training_args.resume_from_checkpoint)
+    trainer.save_model(training_args.output_dir)
+    trainer.save_state()
+    if training_args.push_to_hub:
+        trainer.push_to_hub(dataset_name=script_args.dataset_name)
+    trainer.end()
+    return trainer
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    try:
+        script_args, training_args, model_args, dataset_args, launch_args, _ = parse_recipe(argv)
+        if script_args.dry_run:
+            print(describe(script_args, training_args, model_args, dataset_args, launch_args))
+            return 0
+        run(script_args, training_args, model_args, dataset_args)
+    except RecipeError as err:
+        print(f"trl-gspo: error: {err}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
