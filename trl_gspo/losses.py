@@ -150,8 +150,10 @@ def gspo_loss(
         check_inputs: raise ``ValueError`` on NaN/Inf at valid positions.
     """
     _check_clip_range(eps_low, eps_high)
-    advantages = advantages.reshape(-1)
-    if advantages.shape[0] != logps.shape[0]:
+    _check_shapes(logps, old_logps, mask)
+    if advantages.dim() == 2 and advantages.shape[1] == 1:
+        advantages = advantages[:, 0]
+    if advantages.dim() != 1 or advantages.shape[0] != logps.shape[0]:
         raise ValueError(
             f"`advantages` must have one value per sequence ({logps.shape[0]}), got shape {tuple(advantages.shape)}. "
             "Per-token advantages need `gspo_token_loss`."
@@ -200,7 +202,8 @@ def gspo_token_loss(
         Other arguments as in :func:`gspo_loss`.
     """
     _check_clip_range(eps_low, eps_high)
-    batch, length = logps.shape if logps.dim() == 2 else (None, None)
+    _check_shapes(logps, old_logps, mask)
+    batch, length = logps.shape
     if advantages.dim() == 1:
         advantages = advantages[:, None]
     if advantages.dim() != 2 or advantages.shape[0] != batch or advantages.shape[1] not in (1, length):
@@ -213,14 +216,16 @@ def gspo_token_loss(
         check_finite("advantages", advantages, mask if advantages.shape[1] == length else None)
     log_ratio = sequence_log_ratio(logps, old_logps, mask)
     dtype = log_ratio.dtype
-    token_logps = logps.to(dtype)
-    # Eq. 14 in log space: log s_i,t = sg[log s_i] + log pi(y_t) - sg[log pi(y_t)].
-    token_log_ratio = log_ratio.detach()[:, None] + token_logps - token_logps.detach()
-    token_ratio = torch.exp(token_log_ratio)
-    advantages = advantages.to(dtype).expand(-1, length)
-    token_loss, low, high = _clipped_surrogate(token_ratio, advantages, eps_low, eps_high)
     valid = mask.bool()
-    token_loss = torch.where(valid, token_loss, torch.zeros_like(token_loss))
+    zero = torch.zeros((), dtype=dtype, device=logps.device)
+    # Padding may hold NaN/Inf: zero it before it enters any product, or backward computes 0 * NaN.
+    token_logps = torch.where(valid, logps.to(dtype), zero)
+    advantages = torch.where(valid, advantages.to(dtype).expand(-1, length), zero)
+    # Eq. 14: s_i,t = sg[s_i] * pi(y_t) / sg[pi(y_t)]. The second factor is exactly 1 in value (exp(0)), so every
+    # token of a sequence carries the same ratio and the same clip decision, bit for bit.
+    token_ratio = torch.exp(log_ratio).detach()[:, None] * torch.exp(token_logps - token_logps.detach())
+    token_loss, low, high = _clipped_surrogate(token_ratio, advantages, eps_low, eps_high)
+    token_loss = torch.where(valid, token_loss, zero)
     return PolicyLossOutput(
         per_token_loss=token_loss,
         per_sequence_loss=masked_sequence_mean(token_loss, mask),

@@ -1,0 +1,290 @@
+"""GSPOTrainer against TRL's own GRPOTrainer, TRL features under gspo types, and per-token advantages."""
+
+import logging
+
+import pytest
+import torch
+from conftest import digit_reward, tiny_config, toy_dataset
+from trl import GRPOConfig, GRPOTrainer
+
+from trl_gspo import GSPOTrainer
+from trl_gspo.losses import gspo_token_loss
+from trl_gspo.quickstart.model import build_dense_model, build_model
+
+
+def _train(trainer_cls, model, config, tokenizer):
+    trainer = trainer_cls(model, digit_reward, args=config, train_dataset=toy_dataset(), processing_class=tokenizer)
+    trainer.train()
+    losses = [(h["loss"], h["grad_norm"]) for h in trainer.state.log_history if "loss" in h]
+    return trainer, losses
+
+
+def _params(model):
+    return {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+@pytest.mark.parametrize("gradient_accumulation_steps", [1, 2])
+def test_gspo_matches_trl_sequence_level_grpo(tmp_path, tokenizer, gradient_accumulation_steps):
+    """The drift guard: same model, data and seed, off-policy; GSPO must equal TRL's sequence-level 'grpo'."""
+    common = dict(steps_per_generation=4 * gradient_accumulation_steps, max_steps=5,
+                  gradient_accumulation_steps=gradient_accumulation_steps, per_device_train_batch_size=4)
+    ours_cfg = tiny_config(tmp_path / "ours", loss_type="gspo", **common)
+    trl_cfg = tiny_config(tmp_path / "trl", config_cls=GRPOConfig, loss_type="grpo",
+                          importance_sampling_level="sequence", epsilon=3e-4, epsilon_high=4e-4, **common)
+    ours, ours_losses = _train(GSPOTrainer, build_model(tokenizer, seed=0), ours_cfg, tokenizer)
+    theirs, trl_losses = _train(GRPOTrainer, build_model(tokenizer, seed=0), trl_cfg, tokenizer)
+
+    assert len(ours_losses) == 5
+    # Off-policy for real: some ratio moved away from 1 and some sequence was clipped.
+    history = ours.state.log_history
+    assert max(h.get("gspo/log_ratio_abs_max", 0) for h in history) > 1e-3
+    assert max(h.get("clip_ratio/region_mean", 0) for h in history) > 0
+    for (loss, grad_norm), (ref_loss, ref_grad_norm) in zip(ours_losses, trl_losses):
+        assert loss == pytest.approx(ref_loss, abs=1e-6, rel=1e-5)
+        assert grad_norm == pytest.approx(ref_grad_norm, abs=1e-6, rel=1e-5)
+    ours_params, trl_params = _params(ours.model), _params(theirs.model)
+    initial = _params(build_model(tokenizer, seed=0))
+    assert any(not torch.equal(ours_params[n], initial[n]) for n in initial)  # training did move the weights
+    for name in ours_params:
+        torch.testing.assert_close(ours_params[name], trl_params[name], rtol=1e-5, atol=1e-6)
+    # TRL's clip metrics keep their names and values.
+    for ours_h, trl_h in zip(history, theirs.state.log_history):
+        for key in ("clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean"):
+            if key in trl_h:
+                assert ours_h[key] == pytest.approx(trl_h[key])
+
+
+def test_gspo_token_trains_like_gspo(tmp_path, tokenizer):
+    results = {}
+    for loss_type in ("gspo", "gspo_token"):
+        cfg = tiny_config(tmp_path / loss_type, loss_type=loss_type, max_steps=4, per_device_train_batch_size=4)
+        trainer, losses = _train(GSPOTrainer, build_dense_model(tokenizer, seed=1), cfg, tokenizer)
+        results[loss_type] = (losses, _params(trainer.model))
+    for (a, ga), (b, gb) in zip(results["gspo"][0], results["gspo_token"][0]):
+        assert a == pytest.approx(b, abs=1e-6) and ga == pytest.approx(gb, rel=1e-5, abs=1e-6)
+    for name, value in results["gspo"][1].items():
+        torch.testing.assert_close(value, results["gspo_token"][1][name], rtol=1e-5, atol=1e-6)
+
+
+# --------------------------------------------------------------------------- _compute_loss parity with features
+def _fake_batch(tokenizer, batch=6, prompt_len=4, completion_len=7, seed=0, vocab_hi=None):
+    g = torch.Generator().manual_seed(seed)
+    vocab_hi = vocab_hi or len(tokenizer)
+    prompt_ids = torch.randint(4, vocab_hi, (batch, prompt_len), generator=g)
+    completion_ids = torch.randint(4, vocab_hi, (batch, completion_len), generator=g)
+    lengths = torch.tensor([completion_len, 1, 3, 0, completion_len - 1, 5])[:batch]
+    completion_mask = (torch.arange(completion_len)[None] < lengths[:, None]).long()
+    prompt_mask = torch.ones_like(prompt_ids)
+    prompt_mask[0, :2] = 0  # left padding
+    old = -torch.rand(batch, completion_len, generator=g) * 3 - 1
+    ref = old + torch.randn(batch, completion_len, generator=g) * 0.05
+    return {
+        "prompt_ids": prompt_ids, "prompt_mask": prompt_mask,
+        "completion_ids": completion_ids, "completion_mask": completion_mask,
+        "advantages": torch.tensor([1.0, -0.5, 0.3, 2.0, -1.5, 0.7])[:batch],
+        "old_per_token_logps": old, "ref_per_token_logps": ref,
+        "num_items_in_batch": completion_mask.sum(),
+    }
+
+
+def _with_real_old_logps(trainer, inputs, scale):
+    """Old log-probs = the model's own minus a per-sequence offset, so log s_i = offset_i: sequences 0 and 4
+    land outside the band on the side where their advantage makes the clip bind, the others inside."""
+    with torch.no_grad():
+        logps, _, _ = trainer._get_per_token_logps_and_entropies(
+            trainer.model,
+            torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], 1),
+            torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], 1),
+            inputs["completion_ids"].size(1),
+        )
+    g = torch.Generator().manual_seed(3)
+    inputs = dict(inputs)
+    offsets = scale * torch.tensor([1.0, -0.1, 0.1, 0.0, -1.0, 0.05])[: logps.size(0), None]
+    inputs["old_per_token_logps"] = logps - offsets
+    inputs["ref_per_token_logps"] = logps + 0.05 * torch.randn(logps.shape, generator=g)
+    return inputs
+
+
+FEATURES = {
+    "plain": {},
+    "beta": {"beta": 0.04},
+    "beta_bias_corrected": {"beta": 0.04, "use_bias_correction_kl": True},
+    "off_policy_mask": {"off_policy_mask_threshold": 1e-4},
+    "top_entropy": {"top_entropy_quantile": 0.5},
+    "entropy_bonus": {"entropy_coef": 0.01},
+    "mask_truncated": {"mask_truncated_completions": True},
+}
+
+
+@pytest.fixture(scope="module")
+def trainer_pair(tmp_path_factory, tokenizer):
+    out = tmp_path_factory.mktemp("pair")
+    ours = GSPOTrainer(build_model(tokenizer, seed=2), digit_reward,
+                       args=tiny_config(out / "o", loss_type="gspo", steps_per_generation=4),
+                       train_dataset=toy_dataset(), processing_class=tokenizer)
+    theirs = GRPOTrainer(build_model(tokenizer, seed=2), digit_reward,
+                         args=tiny_config(out / "t", config_cls=GRPOConfig, loss_type="grpo",
+                                          importance_sampling_level="sequence", epsilon=3e-4, epsilon_high=4e-4,
+                                          steps_per_generation=4),
+                         train_dataset=toy_dataset(), processing_class=tokenizer)
+    return ours, theirs
+
+
+def _configure(trainer, **options):
+    args = trainer.args
+    for name in ("beta", "off_policy_mask_threshold", "top_entropy_quantile", "entropy_coef",
+                 "use_bias_correction_kl", "mask_truncated_completions"):
+        default = {"beta": 0.0, "off_policy_mask_threshold": None, "top_entropy_quantile": 1.0,
+                   "entropy_coef": 0.0, "use_bias_correction_kl": False, "mask_truncated_completions": False}[name]
+        value = options.get(name, default)
+        setattr(args, name, value)
+        if hasattr(trainer, name):
+            setattr(trainer, name, value)
+    trainer._entropy_bonus_enabled = trainer.entropy_coef != 0.0
+    trainer.use_vllm = options.get("use_vllm", False)
+    trainer.vllm_importance_sampling_correction = options.get("use_vllm", False)
+    trainer.current_gradient_accumulation_steps = 2
+    trainer.model.train()
+
+
+def _loss_and_grads(trainer, inputs):
+    trainer.model.zero_grad()
+    loss = trainer._compute_loss(trainer.model, inputs)
+    loss.backward()
+    return loss.detach(), {n: p.grad.clone() for n, p in trainer.model.named_parameters() if p.grad is not None}
+
+
+@pytest.mark.parametrize("feature", list(FEATURES) + ["vllm_token_is", "vllm_sequence_is"])
+def test_loss_parity_with_trl_features(trainer_pair, tokenizer, feature):
+    ours, theirs = trainer_pair
+    options = dict(FEATURES.get(feature, {}))
+    inputs = _fake_batch(tokenizer)
+    if feature.startswith("vllm"):
+        options["use_vllm"] = True
+        g = torch.Generator().manual_seed(5)
+        shape = (6, 1) if feature == "vllm_sequence_is" else (6, 7)
+        inputs["importance_sampling_ratio"] = 0.5 + torch.rand(shape, generator=g)
+    for trainer in (ours, theirs):
+        _configure(trainer, **options)
+    inputs = _with_real_old_logps(ours, inputs, scale=1e-3)
+    loss, grads = _loss_and_grads(ours, inputs)
+    ref_loss, ref_grads = _loss_and_grads(theirs, inputs)
+    assert torch.isfinite(loss)
+    torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=1e-7)
+    assert grads.keys() == ref_grads.keys() and grads
+    for name in grads:
+        torch.testing.assert_close(grads[name], ref_grads[name], rtol=1e-4, atol=1e-7)
+    metrics = ours._metrics["train"]
+    assert 0.0 < metrics["clip_ratio/region_mean"][-1] < 1.0  # ratios straddle the band: the test can tell
+    if options.get("beta"):
+        assert metrics["kl"][-1] > 0
+
+
+def test_aux_loss_is_added(trainer_pair, tokenizer):
+    ours, _ = trainer_pair
+    _configure(ours)
+    inputs = _with_real_old_logps(ours, _fake_batch(tokenizer), scale=1e-3)
+    assert ours.aux_loss_enabled  # tiny Qwen3-MoE config declares router_aux_loss_coef
+    with_aux, _ = _loss_and_grads(ours, inputs)
+    ours.aux_loss_enabled = False
+    try:
+        without_aux, _ = _loss_and_grads(ours, inputs)
+    finally:
+        ours.aux_loss_enabled = True
+    aux = ours._metrics["train"]["aux_loss"][-1]
+    expected = ours.router_aux_loss_coef * aux / ours.current_gradient_accumulation_steps
+    assert (with_aux - without_aux).item() == pytest.approx(expected, rel=1e-4)
+
+
+# --------------------------------------------------------------------------- per-token advantages
+class LastTokensTrainer(GSPOTrainer):
+    """Example override: credit only the last `keep` tokens of each completion (e.g. the final turn)."""
+
+    keep = 2
+
+    def token_advantages(self, inputs, mask):
+        advantages = super().token_advantages(inputs, mask)
+        position_from_end = mask.flip(-1).cumsum(-1).flip(-1)  # 1 on the last valid token, 2 before it...
+        return advantages * (position_from_end <= self.keep) * mask
+
+
+def test_token_advantages_hook_steers_the_gradient(tmp_path, tokenizer):
+    trainer = LastTokensTrainer(build_dense_model(tokenizer, seed=3), digit_reward,
+                                args=tiny_config(tmp_path, loss_type="gspo_token"),
+                                train_dataset=toy_dataset(), processing_class=tokenizer)
+    _configure(trainer)
+    inputs = _with_real_old_logps(trainer, _fake_batch(tokenizer), scale=1e-5)  # inside the band
+    loss, grads = _loss_and_grads(trainer, inputs)
+
+    # Independent check: the same loss from the pure function with explicit token advantages.
+    mask = inputs["completion_mask"]
+    token_adv = trainer.token_advantages(inputs, mask)
+    assert token_adv.shape == mask.shape and (token_adv[:, :3] == 0).any()
+    trainer.model.zero_grad()
+    logps, _, _ = trainer._get_per_token_logps_and_entropies(
+        trainer.model, torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], 1),
+        torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], 1), mask.size(1))
+    direct = gspo_token_loss(logps, inputs["old_per_token_logps"], token_adv, mask, 3e-4, 4e-4)
+    (direct.per_sequence_loss.mean() / 2).backward()
+    torch.testing.assert_close(loss, (direct.per_sequence_loss.mean() / 2).detach())
+    for name, p in trainer.model.named_parameters():
+        if p.grad is not None:
+            torch.testing.assert_close(grads[name], p.grad, rtol=1e-5, atol=1e-8)
+
+    # The per-token gradient follows the token advantages: logps of zero-advantage tokens get no gradient.
+    logps = logps.detach().requires_grad_(True)
+    gspo_token_loss(logps, inputs["old_per_token_logps"], token_adv, mask).per_sequence_loss.sum().backward()
+    assert torch.all(logps.grad[token_adv == 0] == 0)
+    assert torch.all(logps.grad[(token_adv != 0)] != 0)
+
+    # And it differs from the broadcast default (which equals gspo).
+    plain = GSPOTrainer.token_advantages(trainer, inputs, mask)
+    assert not torch.equal(plain, token_adv)
+
+
+def test_gspo_refuses_per_token_advantages(trainer_pair, tokenizer):
+    ours, _ = trainer_pair
+    _configure(ours)
+    inputs = _fake_batch(tokenizer)
+    inputs["advantages"] = torch.ones(6, 7)
+    with pytest.raises(ValueError, match="gspo_token"):
+        ours._compute_loss(ours.model, inputs)
+
+
+def test_nan_logps_raise_clear_error(trainer_pair, tokenizer):
+    ours, _ = trainer_pair
+    _configure(ours)
+    inputs = _fake_batch(tokenizer)
+    inputs["old_per_token_logps"][0, 0] = float("nan")
+    with pytest.raises(ValueError, match="old_logps.*NaN/Inf"):
+        ours._compute_loss(ours.model, inputs)
+
+
+def test_empty_completions_give_zero_gradient(trainer_pair, tokenizer):
+    ours, _ = trainer_pair
+    _configure(ours)
+    inputs = _fake_batch(tokenizer)
+    inputs["completion_mask"] = torch.zeros_like(inputs["completion_mask"])
+    inputs["old_per_token_logps"] = torch.full_like(inputs["old_per_token_logps"], float("nan"))  # padding only
+    ours.aux_loss_enabled = False  # the load-balancing loss would still train the routers
+    try:
+        loss, grads = _loss_and_grads(ours, inputs)
+    finally:
+        ours.aux_loss_enabled = True
+    assert torch.isfinite(loss) and loss == 0
+    assert all(torch.count_nonzero(g) == 0 for g in grads.values())
+
+
+# --------------------------------------------------------------------------- warnings
+def test_grpo_config_with_gspo_warns_paper_values(tmp_path, tokenizer, caplog):
+    import trl_gspo.trainer as trainer_module
+
+    trainer_module._warned.clear()
+    cfg = tiny_config(tmp_path, config_cls=GRPOConfig, loss_type="gspo")
+    with caplog.at_level(logging.WARNING, logger="trl_gspo.trainer"):
+        trainer = GSPOTrainer(build_dense_model(tokenizer), digit_reward, args=cfg, train_dataset=toy_dataset(),
+                              processing_class=tokenizer)
+    text = caplog.text
+    assert "epsilon=0.2" in text and "3e-4" in text
+    assert "fully on-policy" in text  # GRPOConfig's steps_per_generation defaults to gradient_accumulation_steps
+    assert trainer.epsilon_low == 0.2  # the user's explicit config is honoured, only warned about
