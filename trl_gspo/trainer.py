@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import inspect
 import logging
+import os
 
 import torch
+from transformers import PreTrainedModel
 from trl import GRPOTrainer
 
 from .config import GSPO_LOSS_TYPES, PAPER_EPSILON_HIGH, PAPER_EPSILON_LOW, GSPOConfig, validate_gspo_args
@@ -46,6 +48,35 @@ class GSPOTrainer(GRPOTrainer):
         if args.loss_type in GSPO_LOSS_TYPES:
             _warn_about_setup(args)
         super().__init__(model, reward_funcs, args, *positional, **kwargs)
+
+    # ------------------------------------------------------------------ checkpoints
+    def _load_from_checkpoint(self, resume_from_checkpoint, model=None):
+        """Resume model weights through `from_pretrained`, which applies transformers' weight conversions.
+
+        transformers 5.x saves fused MoE experts in the hub's per-expert layout, but `Trainer` resumes with a plain
+        `load_state_dict(strict=False)`: the expert weights are then silently *not* restored (they keep their
+        current values). Loading through `from_pretrained` maps the keys back. PEFT, DeepSpeed and FSDP
+        checkpoints keep TRL/transformers' own path.
+        """
+        model = self.model if model is None else model
+        has_full_weights = any(
+            os.path.isfile(os.path.join(resume_from_checkpoint, name))
+            for name in ("model.safetensors", "model.safetensors.index.json")
+        )
+        if (not isinstance(model, PreTrainedModel) or not has_full_weights
+                or self.is_deepspeed_enabled or self.is_fsdp_enabled):
+            return super()._load_from_checkpoint(resume_from_checkpoint, model)
+        dtype = next(model.parameters()).dtype
+        restored = type(model).from_pretrained(resume_from_checkpoint, dtype=dtype, device_map="cpu")
+        missing, unexpected = model.load_state_dict(restored.state_dict(), strict=False)
+        # Tied weights (lm_head = embed_tokens) are legitimately absent from the checkpoint.
+        tied = set(getattr(model, "all_tied_weights_keys", {}) or {})
+        missing = [key for key in missing if key not in tied]
+        if missing or unexpected:
+            raise RuntimeError(
+                f"resuming from {resume_from_checkpoint}: checkpoint does not match the model (missing {missing[:5]}, "
+                f"unexpected {unexpected[:5]}). Fix: resume with the model architecture the checkpoint was saved from."
+            )
 
     # ------------------------------------------------------------------ extension point
     def token_advantages(self, inputs: dict, mask: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,94 @@
+"""The `trl-gspo` command: recipe parsing, dry runs and one-screen errors."""
+
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from trl_gspo.cli import RecipeError, main, parse_recipe
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _recipe(tmp_path, body):
+    path = tmp_path / "recipe.yaml"
+    path.write_text(textwrap.dedent(body))
+    return str(path)
+
+
+BASE = """
+model_name_or_path: builtin:tiny-qwen3-moe
+dataset_name: builtin:addition
+reward_funcs: [digit_match_reward]
+output_dir: {out}
+use_cpu: true
+bf16: false
+report_to: none
+"""
+
+
+def test_recipe_resolves_gspo_fields_and_overrides(tmp_path):
+    path = _recipe(tmp_path, BASE.format(out=tmp_path / "o") + "loss_type: gspo_token\nnum_processes: 1\n")
+    script, training, model, _, launch, _ = parse_recipe(["--config", path, "--epsilon", "5e-4"])
+    assert training.loss_type == "gspo_token"
+    assert training.epsilon == 5e-4 and training.epsilon_high == 4e-4  # CLI override, then paper preset
+    assert model.model_name_or_path == "builtin:tiny-qwen3-moe"
+    assert script.reward_funcs == ["digit_match_reward"]
+    assert launch == ["--num_processes", "1"]
+
+
+def test_accelerate_config_name_resolves_to_trl_file(tmp_path):
+    path = _recipe(tmp_path, BASE.format(out=tmp_path / "o") + "accelerate_config: zero2\n")
+    *_, launch, _ = parse_recipe(["--config", path])
+    assert launch[0] == "--config_file" and launch[1].endswith("zero2.yaml")
+
+
+@pytest.mark.parametrize(
+    "extra,needle",
+    [
+        ("epsilonn: 0.1\n", "unknown key `epsilonn`"),
+        ("accelerate_config: no_such_config\n", "accelerate_config"),
+        ("loss_type: gsop\n", "loss_type"),
+        ("importance_sampling_level: token\n", "importance_sampling_level"),
+    ],
+)
+def test_bad_recipes_print_one_clear_error(tmp_path, capsys, extra, needle):
+    path = _recipe(tmp_path, BASE.format(out=tmp_path / "o") + extra)
+    assert main(["--config", path]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("trl-gspo: error:") and needle in err
+    assert "Traceback" not in err
+
+
+def test_missing_recipe_file(capsys):
+    assert main(["--config", "/no/such/recipe.yaml"]) == 2
+    assert "does not exist" in capsys.readouterr().err
+
+
+def test_wrong_type_is_reported_by_name(tmp_path):
+    path = _recipe(tmp_path, BASE.format(out=tmp_path / "o") + "max_steps: many\n")
+    result = subprocess.run([sys.executable, "-m", "trl_gspo.cli", "--config", path], capture_output=True, text=True)
+    assert result.returncode == 2
+    assert "max_steps" in result.stderr and "many" in result.stderr
+
+
+def test_unknown_command_line_flag(tmp_path, capsys):
+    path = _recipe(tmp_path, BASE.format(out=tmp_path / "o"))
+    assert main(["--config", path, "--learnig_rate", "1e-3"]) == 2
+    assert "unknown key `learnig_rate`" in capsys.readouterr().err
+
+
+def test_dry_run_prints_resolved_config(tmp_path, capsys):
+    path = _recipe(tmp_path, BASE.format(out=tmp_path / "o"))
+    assert main(["--config", path, "--dry_run", "true"]) == 0
+    out = capsys.readouterr().out
+    assert "epsilon=0.0003" in out and "steps_per_generation=4" in out and "recipe is valid" in out
+
+
+def test_shipped_recipes_resolve(capsys):
+    recipes = sorted((ROOT / "recipes").glob("*.yaml"))
+    assert recipes, "no recipes shipped"
+    for recipe in recipes:
+        assert main(["--config", str(recipe), "--dry_run", "true"]) == 0, recipe

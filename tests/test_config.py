@@ -1,0 +1,69 @@
+"""GSPOConfig presets and early, clear errors for options GSPO cannot honour."""
+
+import pytest
+from conftest import digit_reward, tiny_config, toy_dataset
+from trl import GRPOConfig
+
+from trl_gspo import GSPOConfig, GSPOTrainer
+from trl_gspo.config import validate_gspo_args
+
+CPU = dict(output_dir="unused", use_cpu=True, bf16=False, report_to="none")
+
+
+@pytest.mark.parametrize("loss_type", ["gspo", "gspo_token"])
+def test_paper_presets_for_gspo_types(loss_type):
+    cfg = GSPOConfig(**CPU, loss_type=loss_type, gradient_accumulation_steps=2)
+    assert (cfg.epsilon, cfg.epsilon_high, cfg.beta) == (3e-4, 4e-4, 0.0)
+    assert cfg.importance_sampling_level == "sequence"
+    assert cfg.steps_per_generation == 8  # 4 mini-batches per rollout batch
+
+
+def test_explicit_values_win_over_presets():
+    cfg = GSPOConfig(**CPU, epsilon=1e-3, epsilon_high=2e-3, beta=0.01, steps_per_generation=3)
+    assert (cfg.epsilon, cfg.epsilon_high, cfg.beta, cfg.steps_per_generation) == (1e-3, 2e-3, 0.01, 3)
+    cfg = GSPOConfig(**CPU, generation_batch_size=16, per_device_train_batch_size=8)
+    assert cfg.steps_per_generation == 2  # derived from generation_batch_size, not overridden
+
+
+def test_trl_loss_types_keep_trl_defaults():
+    cfg = GSPOConfig(**CPU, loss_type="dapo")
+    ref = GRPOConfig(**CPU, loss_type="dapo")
+    for name in ("epsilon", "epsilon_high", "beta", "importance_sampling_level", "steps_per_generation"):
+        assert getattr(cfg, name) == getattr(ref, name), name
+
+
+BAD = [
+    (dict(loss_type="gsop"), "loss_type"),
+    (dict(epsilon=0.0), "epsilon"),
+    (dict(epsilon=-3e-4), "epsilon"),
+    (dict(epsilon=1.5), "epsilon"),
+    (dict(epsilon_high=-1.0), "epsilon_high"),
+    (dict(beta=-0.1), "beta"),
+    (dict(importance_sampling_level="token"), "importance_sampling_level"),
+    (dict(importance_sampling_level="sentence"), "importance_sampling_level"),
+    (dict(delta=2.0), "delta"),
+    (dict(use_adaptive_entropy=True), "use_adaptive_entropy"),
+]
+
+
+@pytest.mark.parametrize("options,option_name", BAD)
+def test_bad_options_raise_naming_the_option(options, option_name):
+    with pytest.raises(ValueError, match=f"`{option_name}`.*Fix:"):
+        GSPOConfig(**CPU, **options)
+
+
+@pytest.mark.parametrize("options,option_name", [(dict(loss_type="gsop"), "loss_type"), (dict(loss_type="gspo", epsilon=0.0), "epsilon")])
+def test_trainer_validates_plain_grpo_config_before_loading_anything(options, option_name):
+    cfg = GRPOConfig(**CPU)
+    for key, value in options.items():
+        setattr(cfg, key, value)  # GRPOConfig itself does not validate these
+    # The model path does not exist: reaching it would raise OSError, so a ValueError proves we failed first.
+    with pytest.raises(ValueError, match=f"`{option_name}`"):
+        GSPOTrainer("/nonexistent/model", digit_reward, args=cfg, train_dataset=toy_dataset())
+
+
+def test_grpo_config_token_level_is_accepted_for_gspo(tmp_path, tokenizer):
+    """TRL's GRPOConfig defaults importance_sampling_level to 'token'; it cannot tell an explicit value apart, so
+    gspo accepts it (the ratio is per sequence by construction) rather than failing every GRPOConfig user."""
+    cfg = tiny_config(tmp_path, config_cls=GRPOConfig, loss_type="gspo")
+    validate_gspo_args(cfg)
