@@ -141,12 +141,24 @@ def describe(script_args, training_args, model_args, dataset_args, launch_args) 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of `trl-gspo`."""
     argv = list(sys.argv[1:] if argv is None else argv)
+    note = ""
     try:
-        script_args, training_args, model_args, dataset_args, launch_args, cli_launch_tokens = parse_recipe(argv)
+        try:
+            script_args, training_args, model_args, dataset_args, launch_args, cli_launch_tokens = parse_recipe(argv)
+        except ValueError as err:
+            # A GPU recipe (bf16) cannot build its TrainingArguments on a machine without a GPU; a dry run still
+            # checks every key and value there, with the hardware check switched off.
+            if "--dry_run" not in argv or "bf16/gpu" not in str(err):
+                raise
+            script_args, training_args, model_args, dataset_args, launch_args, cli_launch_tokens = parse_recipe(
+                argv + ["--use_cpu", "true", "--bf16", "false"]
+            )
+            note = "(no GPU here: validated with use_cpu=true, bf16=false; the recipe itself asks for bf16)\n"
     except (RecipeError, ValueError, TypeError) as err:
         print(f"trl-gspo: error: {err}", file=sys.stderr)
         return 2
     if script_args.dry_run:
+        print(note, end="")
         print(describe(script_args, training_args, model_args, dataset_args, launch_args))
         print("trl-gspo: recipe is valid (dry run, nothing trained).")
         return 0
