@@ -28,8 +28,8 @@ class GSPOScriptArguments(GRPOScriptArguments):
     """`trl grpo`'s script arguments, plus the supervised cold start and the end-of-run report.
 
     `model_name_or_path: builtin:tiny-qwen3-moe` (or `builtin:tiny-qwen3`, dense) builds a tiny model and a
-    character tokenizer locally; `dataset_name: builtin:addition` is a synthetic task with a verifiable answer
-    whose rewards are `digit_match_reward` (partial credit) and `exact_match_reward`.
+    character tokenizer locally; `dataset_name: builtin:addition` is single-digit addition with a verifiable
+    answer, whose rewards are `exact_match_reward` and `digit_match_reward` (partial credit).
     """
 
     sft_steps: int = field(
@@ -40,6 +40,13 @@ class GSPOScriptArguments(GRPOScriptArguments):
         },
     )
     sft_learning_rate: float = field(default=3e-3, metadata={"help": "Learning rate of the supervised cold start."})
+    sft_correct_fraction: float = field(
+        default=0.5,
+        metadata={
+            "help": "Fraction of cold-start completions that are correct (the rest are random answers), so the "
+            "cold-started policy is weak but has the answer in its support; see trl_gspo/quickstart/addition.py."
+        },
+    )
     builtin_num_examples: int = field(
         default=4096, metadata={"help": "Number of prompts generated for a `builtin:` dataset."}
     )

@@ -21,11 +21,11 @@ def _reward_functions(script_args):
     """Reward callables from names: trl_gspo's built-ins, TRL's registry (as in `trl grpo`), dotted paths."""
     from trl.rewards import accuracy_reward, get_soft_overlong_punishment, reasoning_accuracy_reward, think_format_reward
 
-    from .quickstart import task
+    from .quickstart import addition
 
     registry = {
-        "digit_match_reward": task.digit_match_reward,
-        "exact_match_reward": task.exact_match_reward,
+        "digit_match_reward": addition.digit_match_reward,
+        "exact_match_reward": addition.exact_match_reward,
         "accuracy_reward": accuracy_reward,
         "reasoning_accuracy_reward": reasoning_accuracy_reward,
         "think_format_reward": think_format_reward,
@@ -57,14 +57,14 @@ def _load_dataset(script_args, dataset_args):
 
     name = script_args.dataset_name
     if name and name.startswith(BUILTIN_PREFIX):
-        from .quickstart import task
+        from .quickstart import addition
 
         if name[len(BUILTIN_PREFIX):] not in BUILTIN_DATASETS:
             raise RecipeError(f"`dataset_name`: unknown built-in {name!r}. Fix: use one of "
                               f"{[BUILTIN_PREFIX + d for d in BUILTIN_DATASETS]}.")
         return DatasetDict({
-            script_args.dataset_train_split: task.make_dataset(script_args.builtin_num_examples, seed=0),
-            script_args.dataset_test_split: task.make_dataset(256, seed=1),
+            script_args.dataset_train_split: addition.make_rl_dataset(script_args.builtin_num_examples, seed=0),
+            script_args.dataset_test_split: addition.make_rl_dataset(256, seed=1),
         })
     if dataset_args.datasets:
         return get_dataset(dataset_args)
@@ -79,6 +79,7 @@ def _prepare_builtin_model(script_args, training_args, model_args):
     from accelerate import PartialState
 
     from .quickstart import model as builtin_models
+    from .quickstart.addition import make_sft_dataset
     from .quickstart.cold_start import sft_cold_start
     from .quickstart.tokenizer import build_tokenizer
 
@@ -96,8 +97,11 @@ def _prepare_builtin_model(script_args, training_args, model_args):
             if script_args.sft_steps > 0:
                 print(f"[trl-gspo] supervised cold start: {script_args.sft_steps} steps", flush=True)
                 started = time.perf_counter()
+                sft_data = make_sft_dataset(script_args.sft_steps * 64, seed=training_args.seed,
+                                            correct_fraction=script_args.sft_correct_fraction)
                 model = sft_cold_start(model, tokenizer, os.path.join(training_args.output_dir, "sft"),
                                        max_steps=script_args.sft_steps, seed=training_args.seed,
+                                       dataset=sft_data, per_device_train_batch_size=64,
                                        learning_rate=script_args.sft_learning_rate)
                 print(f"[trl-gspo] cold start done in {time.perf_counter() - started:.0f}s", flush=True)
             model.save_pretrained(path)
