@@ -1,0 +1,121 @@
+"""Supervised cold start with TRL's ``SFTTrainer`` on CPU.
+
+A few hundred steps of SFT on the synthetic task take the randomly initialised tiny model to
+*partial* competence, which is what RL needs: a policy that sometimes gets the reward, so that
+the group-relative advantages are not all zero.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from datasets import Dataset
+from transformers import PreTrainedModel, PreTrainedTokenizerBase
+from trl import SFTConfig, SFTTrainer
+
+from .task import make_sft_dataset
+
+
+def sft_cold_start(
+    model: PreTrainedModel,
+    tokenizer: PreTrainedTokenizerBase,
+    output_dir: str,
+    max_steps: int = 300,
+    seed: int = 0,
+    *,
+    dataset: Dataset | None = None,
+    learning_rate: float = 3e-3,
+    per_device_train_batch_size: int = 64,
+    warmup_steps: int = 20,
+    logging_steps: int = 50,
+    router_aux_loss_coef: float | None = None,
+    disable_tqdm: bool = True,
+    **config_overrides: Any,
+) -> PreTrainedModel:
+    """Train ``model`` for ``max_steps`` supervised steps on prompt-completion pairs and return it.
+
+    Runs on CPU in float32, logs nowhere (``report_to="none"``) and saves no checkpoint (the
+    caller decides what to save). ``dataset`` defaults to ``make_sft_dataset`` with enough
+    examples for one pass (``max_steps * per_device_train_batch_size``). Extra keyword arguments
+    override fields of the ``SFTConfig``. The training log stays available on
+    ``model._sft_log_history`` (list of dicts, as ``trainer.state.log_history``).
+    """
+    if dataset is None:
+        dataset = make_sft_dataset(max(max_steps * per_device_train_batch_size, 1), seed=seed + 10_000)
+    args = SFTConfig(
+        output_dir=output_dir,
+        max_steps=max_steps,
+        per_device_train_batch_size=per_device_train_batch_size,
+        gradient_accumulation_steps=1,
+        learning_rate=learning_rate,
+        lr_scheduler_type="cosine",
+        warmup_steps=warmup_steps,
+        weight_decay=0.0,
+        logging_steps=logging_steps,
+        save_strategy="no",
+        report_to="none",
+        use_cpu=True,
+        bf16=False,
+        fp16=False,
+        gradient_checkpointing=False,
+        seed=seed,
+        data_seed=seed,
+        dataloader_num_workers=0,
+        completion_only_loss=True,
+        packing=False,
+        router_aux_loss_coef=router_aux_loss_coef,
+        disable_tqdm=disable_tqdm,
+        **config_overrides,
+    )
+    # SFTTrainer switches `output_router_logits` on in the model config (for the MoE auxiliary loss)
+    # and leaves it on; cached generation then fails in the load-balancing loss, so restore it.
+    text_config = model.config.get_text_config()
+    saved_router_flags = {
+        k: getattr(text_config, k) for k in ("output_router_logits", "router_aux_loss_coef") if hasattr(text_config, k)
+    }
+    trainer = SFTTrainer(model=model, args=args, train_dataset=dataset, processing_class=tokenizer)
+    try:
+        trainer.train()
+    finally:
+        for k, v in saved_router_flags.items():
+            setattr(text_config, k, v)
+    model = trainer.model
+    model._sft_log_history = list(trainer.state.log_history)
+    return model
+
+
+@torch.no_grad()
+def evaluate_policy(
+    model,
+    tokenizer,
+    dataset: Dataset,
+    reward_funcs,
+    *,
+    do_sample: bool = False,
+    temperature: float = 1.0,
+    batch_size: int = 256,
+    max_new_tokens: int = 6,
+) -> dict[str, float]:
+    """Decode every prompt of ``dataset`` (greedy by default) and return ``{reward_name: mean reward}``."""
+    was_training = model.training
+    model.eval()
+    completions: list[str] = []
+    prompts = dataset["prompt"]
+    for i in range(0, len(prompts), batch_size):
+        batch = tokenizer(prompts[i : i + batch_size], return_tensors="pt", padding=True)
+        out = model.generate(
+            **batch,
+            max_new_tokens=max_new_tokens,
+            do_sample=do_sample,
+            temperature=temperature if do_sample else None,
+            top_k=None,
+            top_p=None,
+            pad_token_id=tokenizer.pad_token_id,
+            eos_token_id=tokenizer.eos_token_id,
+        )
+        completions += tokenizer.batch_decode(out[:, batch["input_ids"].shape[1] :], skip_special_tokens=True)
+    if was_training:
+        model.train()
+    columns = {k: dataset[k] for k in dataset.column_names if k != "prompt"}
+    return {f.__name__: sum(f(completions, **columns)) / len(completions) for f in reward_funcs}
