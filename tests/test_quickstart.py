@@ -1,0 +1,63 @@
+"""The offline quickstart: its task and rewards, and the real `trl-gspo --config recipes/quickstart.yaml` run."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from trl_gspo.quickstart.addition import digit_match_reward, exact_match_reward, make_rl_dataset, make_sft_dataset
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_tokenizer_round_trip_and_left_padding(tokenizer):
+    ids = tokenizer(["3+5=", "12+7="], padding=True)["input_ids"]
+    assert tokenizer.padding_side == "left" and ids[0][0] == tokenizer.pad_token_id
+    assert tokenizer.decode(tokenizer("3+5=8")["input_ids"], skip_special_tokens=True) == "3+5=8"
+    assert tokenizer.eos_token_id is not None and tokenizer.pad_token_id != tokenizer.eos_token_id
+
+
+def test_rewards_on_hand_written_completions():
+    answers = ["12", "12", "12", "12", "7"]
+    completions = ["12<eos>", " 12 ", "13", "", "7"]
+    assert exact_match_reward(completions, answers) == [1.0, 1.0, 0.0, 0.0, 1.0]
+    assert digit_match_reward(completions, answers) == [1.0, 1.0, 0.5, 0.0, 1.0]
+
+
+def test_datasets():
+    rl = make_rl_dataset(64, seed=0)
+    assert rl.column_names == ["prompt", "answer"]
+    a, b = rl[0]["prompt"].rstrip("=").split("+")
+    assert int(rl[0]["answer"]) == int(a) + int(b)
+    sft = make_sft_dataset(2000, seed=0, correct_fraction=0.5)
+    correct = [int(r["completion"].replace("<eos>", "")) == sum(map(int, r["prompt"].rstrip("=").split("+")))
+               for r in sft]
+    assert 0.45 < sum(correct) / len(correct) < 0.62  # half by construction, plus random hits
+    assert all(r["completion"].endswith("<eos>") for r in sft)
+    with pytest.raises(ValueError, match="correct_fraction"):
+        make_sft_dataset(4, seed=0, correct_fraction=1.5)
+
+
+@pytest.mark.slow
+def test_quickstart_recipe_learns(tmp_path):
+    """The README's first command, end to end through `trl-gspo` and `accelerate launch`."""
+    out = tmp_path / "quickstart"
+    env = dict(os.environ, HF_HUB_OFFLINE="1")
+    result = subprocess.run(
+        [sys.executable, "-m", "trl_gspo.cli", "--config", str(ROOT / "recipes" / "quickstart.yaml"),
+         "--output_dir", str(out)],
+        capture_output=True, text=True, env=env, timeout=900,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "reward first -> last" in result.stdout
+    state = json.loads((out / "trainer_state.json").read_text())
+    rewards = [h["reward"] for h in state["log_history"] if "reward" in h]
+    assert len(rewards) >= 10
+    first, last = sum(rewards[:2]) / 2, sum(rewards[-2:]) / 2
+    assert last > first + 0.15, rewards  # measured: about 0.55 -> 0.93
+    assert any(h.get("clip_ratio/region_mean", 0) > 0 for h in state["log_history"])  # really off-policy
+    png = (out / "training_curves.png").read_bytes()
+    assert png[:8] == b"\x89PNG\r\n\x1a\n"
