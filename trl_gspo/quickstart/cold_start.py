@@ -11,10 +11,11 @@ from typing import Any
 
 import torch
 from datasets import Dataset
+from datasets.utils import logging as datasets_logging
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 from trl import SFTConfig, SFTTrainer
 
-from .task import make_sft_dataset
+from .addition import make_sft_dataset
 
 
 def sft_cold_start(
@@ -74,10 +75,15 @@ def sft_cold_start(
     saved_router_flags = {
         k: getattr(text_config, k) for k in ("output_router_logits", "router_aux_loss_coef") if hasattr(text_config, k)
     }
-    trainer = SFTTrainer(model=model, args=args, train_dataset=dataset, processing_class=tokenizer)
+    bars_were_enabled = datasets_logging.is_progress_bar_enabled()
+    if disable_tqdm:  # also silence the "Tokenizing train dataset" bars of the dataset preparation
+        datasets_logging.disable_progress_bar()
     try:
+        trainer = SFTTrainer(model=model, args=args, train_dataset=dataset, processing_class=tokenizer)
         trainer.train()
     finally:
+        if bars_were_enabled:
+            datasets_logging.enable_progress_bar()
         for k, v in saved_router_flags.items():
             setattr(text_config, k, v)
     model = trainer.model
@@ -95,7 +101,7 @@ def evaluate_policy(
     do_sample: bool = False,
     temperature: float = 1.0,
     batch_size: int = 256,
-    max_new_tokens: int = 6,
+    max_new_tokens: int = 10,
 ) -> dict[str, float]:
     """Decode every prompt of ``dataset`` (greedy by default) and return ``{reward_name: mean reward}``."""
     was_training = model.training
