@@ -1,0 +1,273 @@
+"""Record which experts each token used, and force the same experts in a later forward (routing replay).
+
+Works on stock transformers 5.x MoE models whose routers return `(logits, weights, indices)`, by forward hooks on
+the router modules: nothing in the model is patched, and the experts implementation (eager, batched_mm,
+grouped_mm) does not matter because the experts only ever see the (replaced) indices and weights. Knows nothing
+of TRL.
+
+    rr = RoutingReplay(model)
+    with rr.record() as rec:              # rec.indices: [batch, seq_len, moe_layers, top_k], uint8
+        model(input_ids=ids, attention_mask=mask)
+    with rr.replay(rec.indices):          # same experts; gate weights recomputed from the live router logits
+        model(input_ids=ids, attention_mask=mask, labels=ids).loss.backward()
+    rr.drift                              # per layer: fraction of tokens whose top-k set replay overrode
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass, field
+
+import torch
+
+from .formulas import CANDIDATES, KNOWN_ROUTERS, GateFormula, reproduces
+
+__all__ = ["RoutingReplay", "Recording", "RoutingReplayError", "find_routers"]
+
+
+class RoutingReplayError(RuntimeError):
+    """Routing replay cannot be applied safely (the message names the cause and the fix)."""
+
+
+def _router_class(model) -> type | None:
+    recorders = getattr(model, "_can_record_outputs", None) or {}
+    recorder = recorders.get("router_logits")
+    return getattr(recorder, "target_class", None) if recorder is not None else None
+
+
+def find_routers(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
+    """The model's MoE router modules, in forward order. Uses transformers' own output recorders
+    (`_can_record_outputs["router_logits"]`) and falls back to the known router classes."""
+    targets = set()
+    for module in model.modules():
+        cls = _router_class(module)
+        if cls is not None:
+            targets.add(cls)
+    found = []
+    for name, module in model.named_modules():
+        if type(module) in targets or type(module).__name__ in KNOWN_ROUTERS:
+            found.append((name, module))
+    return found
+
+
+@dataclass
+class Recording:
+    """Expert choices of every token in every MoE layer: `indices[b, s, layer, k]` (uint8 for <= 256 experts)."""
+
+    indices: torch.Tensor
+    layer_names: list[str] = field(default_factory=list)
+
+    @property
+    def bytes_per_token(self) -> int:
+        return self.indices[0, 0].numel() * self.indices.element_size()
+
+
+class RoutingReplay:
+    """Record/replay MoE expert choices on a transformers model. See the module docstring.
+
+    Args:
+        model: a transformers MoE model (or a module containing one, e.g. a PEFT wrapper).
+        offload_to_cpu: keep recordings on CPU (pinned memory when CUDA is available) instead of the GPU.
+    """
+
+    def __init__(self, model: torch.nn.Module, offload_to_cpu: bool = False):
+        self.model = model
+        self.offload_to_cpu = offload_to_cpu
+        routers = find_routers(model)
+        if not routers:
+            names = {type(m).__name__ for m in model.modules() if "moe" in type(m).__name__.lower()}
+            raise RoutingReplayError(
+                f"{type(model).__name__} has no MoE router that routing replay can drive"
+                + (f" (found {sorted(names)}; PhiMoE-style sparsemixer routers are not supported)" if names else "")
+                + ". Fix: use routing replay only with a supported Mixture-of-Experts model (see docs/routing.md)."
+            )
+        if getattr(model, "use_kernels", False):
+            raise RoutingReplayError(
+                "the model was loaded with `use_kernels=True`: hub kernels replace the whole MoE block and never "
+                "call the router, so replay would silently do nothing. Fix: load the model without `use_kernels`."
+            )
+        self.layer_names = [name for name, _ in routers]
+        self.routers = [module for _, module in routers]
+        self.top_k = int(getattr(self.routers[0], "top_k"))
+        self.num_experts = int(getattr(self.routers[0], "num_experts"))
+        self.index_dtype = torch.uint8 if self.num_experts <= 256 else torch.int16
+        self._formulas: dict[type, GateFormula] = {}
+        self.drift: torch.Tensor | None = None
+        self.overridden_fraction: float | None = None
+        self._handles: list = []
+        self._mode: str | None = None
+
+    # ------------------------------------------------------------------ formulas
+    def _formula(self, router, logits, weights, indices) -> GateFormula:
+        cls = type(router)
+        if cls not in self._formulas:
+            known = KNOWN_ROUTERS.get(cls.__name__)
+            candidates = (known,) if known is not None else CANDIDATES
+            match = next((f for f in candidates if reproduces(f, router, logits, weights, indices)), None)
+            if match is None:
+                raise RoutingReplayError(
+                    f"{cls.__name__}: "
+                    + (f"the expected gate formula ({known.name}) no longer reproduces the router's own weights; "
+                       "transformers may have changed it." if known else
+                       "no known gate-weight formula reproduces this router's weights, so replayed weights "
+                       "could not be trusted.")
+                    + " Fix: pin a tested transformers version or add the router's formula to "
+                    "trl_gspo/routing/formulas.py."
+                )
+            self._formulas[cls] = match
+        return self._formulas[cls]
+
+    # ------------------------------------------------------------------ hooks
+    def _install(self, router_hook, model_hook) -> None:
+        self._remove()
+        self._handles.append(self.model.register_forward_pre_hook(model_hook, with_kwargs=True))
+        for layer, router in enumerate(self.routers):
+            self._handles.append(router.register_forward_hook(
+                lambda module, args, output, layer=layer: router_hook(layer, module, output)))
+
+    def _remove(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+
+    @staticmethod
+    def _batch_shape(args, kwargs) -> tuple[int, int]:
+        for key in ("input_ids", "inputs_embeds"):
+            tensor = kwargs.get(key)
+            if tensor is not None:
+                return tensor.shape[0], tensor.shape[1]
+        if args and torch.is_tensor(args[0]):
+            return args[0].shape[0], args[0].shape[1]
+        raise RoutingReplayError("could not find `input_ids` or `inputs_embeds` in the model call.")
+
+    # ------------------------------------------------------------------ record
+    @contextlib.contextmanager
+    def record(self):
+        """Record the experts chosen in every forward call inside the block; `.indices` is filled on exit."""
+        recording = Recording(indices=torch.empty(0), layer_names=list(self.layer_names))
+        calls: list[tuple[int, int, list]] = []
+
+        def model_hook(module, args, kwargs):
+            batch, length = self._batch_shape(args, kwargs)
+            calls.append((batch, length, [None] * len(self.routers)))
+
+        def router_hook(layer, router, output):
+            logits, weights, indices = output
+            self._formula(router, logits, weights, indices)  # verify once per router class
+            if not calls:
+                raise RoutingReplayError("a router ran outside a call of the model given to RoutingReplay.")
+            stored = indices.detach().to(self.index_dtype)
+            calls[-1][2][layer] = self._offload(stored)
+
+        self._install(router_hook, model_hook)
+        self._mode = "record"
+        try:
+            yield recording
+        finally:
+            self._remove()
+            self._mode = None
+        recording.indices = self._assemble(calls)
+
+    def _offload(self, tensor):
+        if not self.offload_to_cpu:
+            return tensor
+        pinned = torch.cuda.is_available()
+        return tensor.to("cpu", non_blocking=pinned).pin_memory() if pinned else tensor.cpu()
+
+    def _assemble(self, calls) -> torch.Tensor:
+        if not calls:
+            raise RoutingReplayError("nothing was recorded: the model was not called inside `record()`.")
+        per_call = []
+        for batch, length, layers in calls:
+            missing = [self.layer_names[i] for i, t in enumerate(layers) if t is None]
+            if missing:
+                raise RoutingReplayError(f"routers {missing[:3]} never ran during the recorded call.")
+            stacked = torch.stack(layers, dim=1)  # [tokens, layers, k]
+            if stacked.shape[0] != batch * length:
+                raise RoutingReplayError(f"routers saw {stacked.shape[0]} tokens for a batch of {batch}x{length}.")
+            per_call.append(stacked.reshape(batch, length, len(layers), -1))
+        if len({t.shape[1] for t in per_call}) != 1:
+            raise RoutingReplayError("recorded calls have different sequence lengths; record them separately.")
+        return torch.cat(per_call, dim=0)
+
+    # ------------------------------------------------------------------ replay
+    @contextlib.contextmanager
+    def replay(self, indices: torch.Tensor, mask: torch.Tensor | None = None):
+        """Force the recorded experts in every forward call inside the block (rows consumed in call order).
+
+        Args:
+            indices: `[batch, seq_len, moe_layers, top_k]` from `record()`.
+            mask: optional `[batch, seq_len]` bool; tokens where it is False keep their natural routing.
+
+        Keep the block open until `backward()` has finished when gradient checkpointing is on: the checkpointed
+        layers re-run their routers during backward and must see the same forced experts.
+        """
+        if indices.dim() != 4 or indices.shape[2] != len(self.routers) or indices.shape[3] != self.top_k:
+            raise RoutingReplayError(
+                f"indices must have shape [batch, seq_len, {len(self.routers)}, {self.top_k}], got "
+                f"{tuple(indices.shape)}."
+            )
+        state = {"row": 0, "current": None, "calls": 0}
+        fired = torch.zeros(len(self.routers), dtype=torch.bool)
+        overridden = torch.zeros(len(self.routers), dtype=torch.float64)
+        counted = torch.zeros(len(self.routers), dtype=torch.float64)
+        checkpointing = bool(getattr(self.model, "is_activation_checkpointing",
+                                     getattr(self.model, "is_gradient_checkpointing", False)))
+
+        def model_hook(module, args, kwargs):
+            batch, length = self._batch_shape(args, kwargs)
+            if state["calls"] and checkpointing:
+                raise RoutingReplayError(
+                    "more than one forward call inside one `replay()` block with gradient checkpointing: the "
+                    "recomputation in backward could not tell the calls apart. Fix: one forward (and its backward) "
+                    "per `replay()` block."
+                )
+            start = state["row"]
+            if start + batch > indices.shape[0] or indices.shape[1] != length:
+                raise RoutingReplayError(
+                    f"token-count mismatch: the call has batch {batch} x length {length} (rows {start}..{start + batch}) "
+                    f"but the recording holds {indices.shape[0]} x {indices.shape[1]}. Fix: replay with exactly the "
+                    "inputs (same padding) that were recorded."
+                )
+            state["current"] = (start, batch, length)
+            state["row"] += batch
+            state["calls"] += 1
+
+        def router_hook(layer, router, output):
+            logits, weights, natural = output
+            if state["current"] is None:
+                raise RoutingReplayError("a router ran outside a call of the model given to RoutingReplay.")
+            start, batch, length = state["current"]
+            forced = indices[start:start + batch, :, layer].to(natural.device, torch.long).reshape(-1, self.top_k)
+            if forced.shape[0] != natural.shape[0]:
+                raise RoutingReplayError(
+                    f"token-count mismatch in {self.layer_names[layer]}: router saw {natural.shape[0]} tokens, "
+                    f"the recording has {forced.shape[0]}."
+                )
+            if mask is not None:
+                keep = mask[start:start + batch].reshape(-1, 1).to(natural.device, torch.bool)
+                forced = torch.where(keep, forced, natural.long())
+            formula = self._formula(router, logits, weights, natural)
+            in_backward = torch._C._current_graph_task_id() != -1
+            if not in_backward:  # a checkpoint recomputation must not count twice
+                fired[layer] = True
+                changed = (forced.sort(-1).values != natural.long().sort(-1).values).any(-1)
+                overridden[layer] += changed.sum().item()
+                counted[layer] += changed.numel()
+            new_weights = formula.fn(router, logits, forced).to(weights.dtype)
+            return logits, new_weights, forced.to(natural.dtype)
+
+        self._install(router_hook, model_hook)
+        self._mode = "replay"
+        try:
+            yield self
+        finally:
+            self._remove()
+            self._mode = None
+        if state["calls"] and not bool(fired.all()):
+            silent = [self.layer_names[i] for i in range(len(self.routers)) if not fired[i]]
+            raise RoutingReplayError(f"routers {silent[:3]} never fired during replay; nothing was replayed there.")
+        if state["calls"] == 0:
+            raise RoutingReplayError("the model was not called inside `replay()`.")
+        self.drift = (overridden / counted.clamp(min=1)).float()
+        self.overridden_fraction = float(overridden.sum() / counted.sum().clamp(min=1))
