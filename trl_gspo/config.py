@@ -89,6 +89,20 @@ class GSPOConfig(GRPOConfig):
         },
     )
 
+    routing_replay: str = field(
+        default="none",
+        metadata={
+            "help": "MoE routing replay. 'none': natural routing (routing drift is still measured and logged when "
+            "TRL runs an old-policy pass). 'old': record the experts each token used in TRL's old-policy pass and "
+            "force them when the current policy is scored (the GSPO paper's GRPO baseline; works with every loss "
+            "type). Needs an off-policy setup: fully on-policy training has no old-policy pass to record."
+        },
+    )
+    routing_replay_offload: bool = field(
+        default=False,
+        metadata={"help": "Keep routing recordings on CPU (pinned when a GPU is present) instead of the device."},
+    )
+
     def __post_init__(self):
         is_gspo = self.loss_type in GSPO_LOSS_TYPES
         if self.epsilon is None:
@@ -124,6 +138,9 @@ def validate_gspo_args(args: GRPOConfig) -> None:
             f"unknown value {args.importance_sampling_level!r}.",
             "use 'token' or 'sequence'.",
         )
+    routing_replay = getattr(args, "routing_replay", "none")
+    if routing_replay not in ("none", "old"):
+        raise _error("routing_replay", f"unknown value {routing_replay!r}.", "use 'none' or 'old'.")
     if args.loss_type not in GSPO_LOSS_TYPES:
         return
 

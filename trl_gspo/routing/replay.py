@@ -192,12 +192,19 @@ class RoutingReplay:
 
     # ------------------------------------------------------------------ replay
     @contextlib.contextmanager
-    def replay(self, indices: torch.Tensor, mask: torch.Tensor | None = None):
+    def replay(self, indices: torch.Tensor, mask: torch.Tensor | None = None,
+               stats_mask: torch.Tensor | None = None):
         """Force the recorded experts in every forward call inside the block (rows consumed in call order).
 
         Args:
             indices: `[batch, seq_len, moe_layers, top_k]` from `record()`.
-            mask: optional `[batch, seq_len]` bool; tokens where it is False keep their natural routing.
+            mask: optional `[batch, seq_len]` bool; tokens where it is False keep their natural routing. An
+                all-False mask measures drift without changing the forward.
+            stats_mask: optional `[batch, seq_len]`; only these tokens count in `drift` and
+                `overridden_fraction` (e.g. the attention mask, to leave padding out of the statistics).
+
+        After the block: `drift[layer]` is the fraction of counted tokens whose natural top-k set differs from the
+        recorded one, `overridden_fraction` the fraction (over layers and tokens) that replay actually changed.
 
         Keep the block open until `backward()` has finished when gradient checkpointing is on: the checkpointed
         layers re-run their routers during backward and must see the same forced experts.
@@ -209,6 +216,7 @@ class RoutingReplay:
             )
         state = {"row": 0, "current": None, "calls": 0}
         fired = torch.zeros(len(self.routers), dtype=torch.bool)
+        drifted = torch.zeros(len(self.routers), dtype=torch.float64)
         overridden = torch.zeros(len(self.routers), dtype=torch.float64)
         counted = torch.zeros(len(self.routers), dtype=torch.float64)
         checkpointing = bool(getattr(self.model, "is_activation_checkpointing",
@@ -244,6 +252,7 @@ class RoutingReplay:
                     f"token-count mismatch in {self.layer_names[layer]}: router saw {natural.shape[0]} tokens, "
                     f"the recording has {forced.shape[0]}."
                 )
+            recorded = forced
             if mask is not None:
                 keep = mask[start:start + batch].reshape(-1, 1).to(natural.device, torch.bool)
                 forced = torch.where(keep, forced, natural.long())
@@ -251,9 +260,12 @@ class RoutingReplay:
             in_backward = torch._C._current_graph_task_id() != -1
             if not in_backward:  # a checkpoint recomputation must not count twice
                 fired[layer] = True
-                changed = (forced.sort(-1).values != natural.long().sort(-1).values).any(-1)
-                overridden[layer] += changed.sum().item()
-                counted[layer] += changed.numel()
+                natural_set = natural.long().sort(-1).values
+                weight = (torch.ones(natural.shape[0], device=natural.device) if stats_mask is None
+                          else stats_mask[start:start + batch].reshape(-1).to(natural.device, torch.float32))
+                drifted[layer] += ((recorded.sort(-1).values != natural_set).any(-1) * weight).sum().item()
+                overridden[layer] += ((forced.sort(-1).values != natural_set).any(-1) * weight).sum().item()
+                counted[layer] += weight.sum().item()
             new_weights = formula.fn(router, logits, forced).to(weights.dtype)
             return logits, new_weights, forced.to(natural.dtype)
 
@@ -269,5 +281,5 @@ class RoutingReplay:
             raise RoutingReplayError(f"routers {silent[:3]} never fired during replay; nothing was replayed there.")
         if state["calls"] == 0:
             raise RoutingReplayError("the model was not called inside `replay()`.")
-        self.drift = (overridden / counted.clamp(min=1)).float()
+        self.drift = (drifted / counted.clamp(min=1)).float()
         self.overridden_fraction = float(overridden.sum() / counted.sum().clamp(min=1))
