@@ -48,6 +48,95 @@ class GSPOTrainer(GRPOTrainer):
         if args.loss_type in GSPO_LOSS_TYPES:
             _warn_about_setup(args)
         super().__init__(model, reward_funcs, args, *positional, **kwargs)
+        self._setup_routing()
+
+    # ------------------------------------------------------------------ MoE routing: record, replay, drift
+    def _setup_routing(self) -> None:
+        """Measure routing drift on MoE models; with `routing_replay="old"`, also force the recorded experts."""
+        from .routing import RoutingReplay, RoutingReplayError, find_routers
+
+        self.routing_replay_mode = getattr(self.args, "routing_replay", "none")
+        self._routing = None
+        self._open_replay = None
+        self._record_next_logps_call = False
+        base = self.accelerator.unwrap_model(self.model)
+        base = base.get_base_model() if hasattr(base, "get_base_model") else base
+        if not find_routers(base):
+            if self.routing_replay_mode != "none":
+                raise ValueError(f"`routing_replay`: {type(base).__name__} has no MoE router to replay. Fix: set "
+                                 "routing_replay='none' (it only applies to Mixture-of-Experts models).")
+            return
+        try:
+            self._routing = RoutingReplay(base, offload_to_cpu=getattr(self.args, "routing_replay_offload", False))
+        except RoutingReplayError as err:
+            if self.routing_replay_mode != "none":
+                raise ValueError(f"`routing_replay`: {err}") from None
+            return  # drift measurement is optional; replay was not asked for
+        generate_every = self.args.steps_per_generation * self.num_iterations
+        self._old_pass_runs = self.args.gradient_accumulation_steps % generate_every != 0 or (
+            self.use_vllm and self.vllm_importance_sampling_correction
+        )
+        if not self._old_pass_runs and self.routing_replay_mode != "none":
+            _warn_once("replay_on_policy", "routing_replay='old' with fully on-policy training: TRL runs no "
+                       "old-policy pass, so there is nothing to record and replay changes nothing. Set "
+                       "steps_per_generation > gradient_accumulation_steps or num_iterations > 1.")
+
+    def _generate_and_score_completions(self, inputs):
+        recording = self._routing is not None and self._old_pass_runs and self.model.training
+        self._record_next_logps_call, self._pending_recording = recording, None
+        output = super()._generate_and_score_completions(inputs)
+        self._record_next_logps_call = False
+        if self._pending_recording is not None:
+            # Batch-first, so TRL's shuffle/split keeps it aligned with its sequences.
+            output["routing_indices"] = self._pending_recording
+        return output
+
+    def _get_per_token_logps_and_entropies(self, model, *args, **kwargs):
+        # The first call of a generation round in train mode is TRL's old-policy pass; the reference pass comes
+        # later and keeps natural routing (it neither records nor replays).
+        if not self._record_next_logps_call:
+            return super()._get_per_token_logps_and_entropies(model, *args, **kwargs)
+        self._record_next_logps_call = False
+        with self._routing.record() as recording:
+            result = super()._get_per_token_logps_and_entropies(model, *args, **kwargs)
+        self._pending_recording = recording.indices
+        return result
+
+    def _enter_routing_replay(self, inputs, attention_mask) -> None:
+        """Open replay (or drift-only measurement) for this micro-batch; closed after backward."""
+        indices = inputs.get("routing_indices")
+        if self._routing is None or indices is None or not self.model.training:
+            return
+        force = None if self.routing_replay_mode == "old" else torch.zeros_like(attention_mask, dtype=torch.bool)
+        self._open_replay = self._routing.replay(indices, mask=force, stats_mask=attention_mask)
+        self._open_replay.__enter__()
+
+    def _close_routing_replay(self) -> None:
+        if self._open_replay is None:
+            return
+        replay, self._open_replay = self._open_replay, None
+        replay.__exit__(None, None, None)
+        drift = self._routing.drift
+        metrics = self._metrics["train"]
+        stats = self.accelerator.reduce(
+            torch.stack([drift.mean(), drift.max(), torch.tensor(self._routing.overridden_fraction)]).to(
+                self.accelerator.device), reduction="mean")
+        metrics["routing/drift_mean"].append(stats[0].item())
+        metrics["routing/drift_max"].append(stats[1].item())
+        if self.routing_replay_mode == "old":
+            metrics["routing/replayed_token_fraction"].append(stats[2].item())
+
+    def training_step(self, model, inputs, num_items_in_batch):
+        try:
+            return super().training_step(model, inputs, num_items_in_batch)
+        finally:
+            # After backward: checkpointed layers re-run their routers during backward and must still replay.
+            self._close_routing_replay()
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        attention_mask = torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], dim=1)
+        self._enter_routing_replay(inputs, attention_mask)
+        return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
 
     # ------------------------------------------------------------------ checkpoints
     def _load_from_checkpoint(self, resume_from_checkpoint, model=None):

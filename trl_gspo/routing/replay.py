@@ -267,6 +267,8 @@ class RoutingReplay:
                 overridden[layer] += ((forced.sort(-1).values != natural_set).any(-1) * weight).sum().item()
                 counted[layer] += weight.sum().item()
             new_weights = formula.fn(router, logits, forced).to(weights.dtype)
+            if mask is not None:  # unforced tokens keep the router's own output, bit for bit
+                new_weights = torch.where(keep, new_weights, weights)
             return logits, new_weights, forced.to(natural.dtype)
 
         self._install(router_hook, model_hook)

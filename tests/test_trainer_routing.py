@@ -1,0 +1,77 @@
+"""Routing replay inside GSPOTrainer: recording in TRL's old-policy pass, replay in the training pass, drift."""
+
+import logging
+
+import pytest
+from conftest import digit_reward, tiny_config, toy_dataset
+from trl_gspo import GSPOTrainer
+from trl_gspo.quickstart.model import build_dense_model, build_model
+
+pytestmark = pytest.mark.slow
+
+
+def _run(tokenizer, output_dir, **config):
+    config = {"steps_per_generation": 4, "max_steps": 4, "per_device_train_batch_size": 4,
+              "learning_rate": 1e-2, **config}
+    trainer = GSPOTrainer(build_model(tokenizer), digit_reward, args=tiny_config(output_dir, **config),
+                          train_dataset=toy_dataset(), processing_class=tokenizer)
+    trainer.train()
+    return trainer, [h for h in trainer.state.log_history if "loss" in h]
+
+
+def test_grpo_with_routing_replay_logs_drift(tmp_path, tokenizer):
+    """The paper's baseline: token-level GRPO + routing replay, off-policy, on a tiny Qwen3-MoE."""
+    trainer, logs = _run(tokenizer, tmp_path, loss_type="grpo", routing_replay="old")
+    assert trainer._routing is not None and len(trainer._routing.routers) == 2
+    drift = [h["routing/drift_mean"] for h in logs]
+    replayed = [h["routing/replayed_token_fraction"] for h in logs]
+    assert drift[0] == 0.0  # first mini-batch after generation: nothing has been updated yet
+    assert max(drift) > 0 and max(replayed) > 0
+    assert all(h["routing/drift_max"] >= h["routing/drift_mean"] for h in logs)
+
+
+def test_drift_is_measured_without_replay(tmp_path, tokenizer):
+    _, logs = _run(tokenizer, tmp_path, loss_type="gspo")
+    assert max(h["routing/drift_mean"] for h in logs) > 0
+    assert all("routing/replayed_token_fraction" not in h for h in logs)
+
+
+def test_replay_under_gradient_checkpointing_matches_without(tmp_path, tokenizer):
+    """Checkpointed layers re-run their routers in backward; replay must still be active then."""
+    _, plain = _run(tokenizer, tmp_path / "a", loss_type="grpo", routing_replay="old", gradient_checkpointing=False)
+    _, checkpointed = _run(tokenizer, tmp_path / "b", loss_type="grpo", routing_replay="old",
+                           gradient_checkpointing=True)
+    assert max(h["routing/replayed_token_fraction"] for h in plain) > 0
+    for a, b in zip(plain, checkpointed):
+        assert a["loss"] == pytest.approx(b["loss"], rel=1e-4, abs=1e-6)
+        assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-4, abs=1e-6)
+
+
+def test_replay_changes_training_versus_natural_routing(tmp_path, tokenizer):
+    _, natural = _run(tokenizer, tmp_path / "n", loss_type="grpo")
+    _, replayed = _run(tokenizer, tmp_path / "r", loss_type="grpo", routing_replay="old")
+    assert natural[0]["loss"] == pytest.approx(replayed[0]["loss"])  # same first (on-policy) mini-batch
+    assert any(abs(a["loss"] - b["loss"]) > 1e-6 for a, b in zip(natural[1:], replayed[1:]))
+
+
+def test_routing_replay_refuses_dense_models(tmp_path, tokenizer):
+    with pytest.raises(ValueError, match="`routing_replay`.*no MoE router"):
+        GSPOTrainer(build_dense_model(tokenizer), digit_reward,
+                    args=tiny_config(tmp_path, routing_replay="old"), train_dataset=toy_dataset(),
+                    processing_class=tokenizer)
+
+
+def test_bad_routing_replay_value(tmp_path):
+    with pytest.raises(ValueError, match="`routing_replay`"):
+        tiny_config(tmp_path, routing_replay="always")
+
+
+def test_on_policy_replay_warns(tmp_path, tokenizer, caplog):
+    import trl_gspo.trainer as trainer_module
+
+    trainer_module._warned.discard("replay_on_policy")
+    with caplog.at_level(logging.WARNING, logger="trl_gspo.trainer"):
+        GSPOTrainer(build_model(tokenizer), digit_reward,
+                    args=tiny_config(tmp_path, loss_type="grpo", routing_replay="old", steps_per_generation=1),
+                    train_dataset=toy_dataset(), processing_class=tokenizer)
+    assert "nothing to record" in caplog.text
