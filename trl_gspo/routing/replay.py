@@ -95,7 +95,6 @@ class RoutingReplay:
         self.drift: torch.Tensor | None = None
         self.overridden_fraction: float | None = None
         self._handles: list = []
-        self._mode: str | None = None
 
     # ------------------------------------------------------------------ formulas
     def _formula(self, router, logits, weights, indices) -> GateFormula:
@@ -160,12 +159,10 @@ class RoutingReplay:
             calls[-1][2][layer] = self._offload(stored)
 
         self._install(router_hook, model_hook)
-        self._mode = "record"
         try:
             yield recording
         finally:
             self._remove()
-            self._mode = None
         recording.indices = self._assemble(calls)
 
     def _offload(self, tensor):
@@ -272,12 +269,10 @@ class RoutingReplay:
             return logits, new_weights, forced.to(natural.dtype)
 
         self._install(router_hook, model_hook)
-        self._mode = "replay"
         try:
             yield self
         finally:
             self._remove()
-            self._mode = None
         if state["calls"] and not bool(fired.all()):
             silent = [self.layer_names[i] for i in range(len(self.routers)) if not fired[i]]
             raise RoutingReplayError(f"routers {silent[:3]} never fired during replay; nothing was replayed there.")
