@@ -212,10 +212,9 @@ class RoutingReplay:
                 f"{tuple(indices.shape)}."
             )
         state = {"row": 0, "current": None, "calls": 0}
-        fired = torch.zeros(len(self.routers), dtype=torch.bool)
-        drifted = torch.zeros(len(self.routers), dtype=torch.float64)
-        overridden = torch.zeros(len(self.routers), dtype=torch.float64)
-        counted = torch.zeros(len(self.routers), dtype=torch.float64)
+        fired = [False] * len(self.routers)
+        # Per layer: [drifted, overridden, counted] tokens, kept on the router's device (no host sync per layer).
+        totals: list[torch.Tensor | None] = [None] * len(self.routers)
         checkpointing = bool(getattr(self.model, "is_activation_checkpointing",
                                      getattr(self.model, "is_gradient_checkpointing", False)))
 
@@ -260,9 +259,12 @@ class RoutingReplay:
                 natural_set = natural.long().sort(-1).values
                 weight = (torch.ones(natural.shape[0], device=natural.device) if stats_mask is None
                           else stats_mask[start:start + batch].reshape(-1).to(natural.device, torch.float32))
-                drifted[layer] += ((recorded.sort(-1).values != natural_set).any(-1) * weight).sum().item()
-                overridden[layer] += ((forced.sort(-1).values != natural_set).any(-1) * weight).sum().item()
-                counted[layer] += weight.sum().item()
+                counts = torch.stack([
+                    ((recorded.sort(-1).values != natural_set).any(-1) * weight).sum(),
+                    ((forced.sort(-1).values != natural_set).any(-1) * weight).sum(),
+                    weight.sum(),
+                ]).double()
+                totals[layer] = counts if totals[layer] is None else totals[layer] + counts
             new_weights = formula.fn(router, logits, forced).to(weights.dtype)
             if mask is not None:  # unforced tokens keep the router's own output, bit for bit
                 new_weights = torch.where(keep, new_weights, weights)
@@ -273,10 +275,11 @@ class RoutingReplay:
             yield self
         finally:
             self._remove()
-        if state["calls"] and not bool(fired.all()):
-            silent = [self.layer_names[i] for i in range(len(self.routers)) if not fired[i]]
-            raise RoutingReplayError(f"routers {silent[:3]} never fired during replay; nothing was replayed there.")
         if state["calls"] == 0:
             raise RoutingReplayError("the model was not called inside `replay()`.")
+        if not all(fired):
+            silent = [self.layer_names[i] for i in range(len(self.routers)) if not fired[i]]
+            raise RoutingReplayError(f"routers {silent[:3]} never fired during replay; nothing was replayed there.")
+        drifted, overridden, counted = torch.stack([t.cpu() for t in totals]).unbind(-1)
         self.drift = (drifted / counted.clamp(min=1)).float()
         self.overridden_fraction = float(overridden.sum() / counted.sum().clamp(min=1))

@@ -1,0 +1,77 @@
+"""Forward+backward time with routing replay vs without, on a stack of Qwen3-MoE layers, measured interleaved.
+
+    python benchmarks/routing_replay_overhead.py                      # CPU-sized default
+    python benchmarks/routing_replay_overhead.py --hidden 2048 --experts 128 --top-k 8 --expert-width 768 \
+        --layers 4 --tokens 8192 --dtype bfloat16 --device cuda       # Qwen3-30B-A3B-shaped layers
+
+Prints the median times, the recording's bytes per token, and last `routing_replay_overhead: <ratio> (target <= 1.05)`.
+"""
+
+import argparse
+import statistics
+import time
+
+import torch
+from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+from trl_gspo.routing import RoutingReplay
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--hidden", type=int, default=512)
+    parser.add_argument("--experts", type=int, default=32)
+    parser.add_argument("--top-k", type=int, default=4)
+    parser.add_argument("--expert-width", type=int, default=256)
+    parser.add_argument("--layers", type=int, default=2)
+    parser.add_argument("--tokens", type=int, default=2048, help="batch x sequence length")
+    parser.add_argument("--seq-len", type=int, default=256)
+    parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    args = parser.parse_args()
+
+    dtype = getattr(torch, args.dtype)
+    config = Qwen3MoeConfig(
+        vocab_size=1024, hidden_size=args.hidden, num_hidden_layers=args.layers, num_attention_heads=8,
+        num_key_value_heads=4, head_dim=args.hidden // 8, num_experts=args.experts, num_experts_per_tok=args.top_k,
+        moe_intermediate_size=args.expert_width, norm_topk_prob=True, max_position_embeddings=args.seq_len,
+    )
+    torch.manual_seed(0)
+    model = Qwen3MoeForCausalLM(config).to(args.device, dtype).train()
+    batch = args.tokens // args.seq_len
+    ids = torch.randint(0, config.vocab_size, (batch, args.seq_len), device=args.device)
+    replay = RoutingReplay(model)
+    with torch.no_grad(), replay.record() as recording:
+        model(input_ids=ids)
+
+    def step(with_replay: bool) -> float:
+        model.zero_grad(set_to_none=True)
+        if args.device == "cuda":
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        if with_replay:
+            with replay.replay(recording.indices):
+                model(input_ids=ids, labels=ids).loss.backward()
+        else:
+            model(input_ids=ids, labels=ids).loss.backward()
+        if args.device == "cuda":
+            torch.cuda.synchronize()
+        return time.perf_counter() - start
+
+    step(False), step(True)  # warm-up
+    plain, replayed = [], []
+    for _ in range(args.repeats):  # interleaved, so drifting machine load hits both alike
+        plain.append(step(False))
+        replayed.append(step(True))
+    plain_median, replay_median = statistics.median(plain), statistics.median(replayed)
+    print(f"device={args.device} dtype={args.dtype} hidden={args.hidden} experts={args.experts} top_k={args.top_k} "
+          f"expert_width={args.expert_width} layers={args.layers} tokens={batch * args.seq_len}")
+    print(f"forward+backward median: plain {plain_median * 1e3:.1f} ms, replay {replay_median * 1e3:.1f} ms")
+    print(f"recording: {recording.bytes_per_token} bytes per token ({recording.indices.dtype}, "
+          f"{recording.bytes_per_token / (args.layers * args.top_k):.0f} byte per (token, layer, k))")
+    print(f"routing_replay_overhead: {replay_median / plain_median:.3f} (target <= 1.05)")
+
+
+if __name__ == "__main__":
+    main()
