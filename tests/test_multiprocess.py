@@ -2,6 +2,7 @@
 
 import json
 import os
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -12,8 +13,15 @@ pytestmark = [pytest.mark.slow, pytest.mark.multiprocess]
 SCRIPT = Path(__file__).parent / "scripts" / "ddp_parity.py"
 
 
+def _free_port() -> int:
+    with socket.socket() as sock:  # a fixed default port can still be held by an earlier run's processes
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
 def test_two_process_ddp_matches_trl(tmp_path):
     command = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
+               "--main_process_port", str(_free_port()),
                "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no", str(SCRIPT), str(tmp_path)]
     result = subprocess.run(command, capture_output=True, text=True, timeout=600,
                             env=dict(os.environ, HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1"))

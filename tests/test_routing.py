@@ -108,14 +108,20 @@ def _naive_qwen3_moe_block(block, hidden, forced):
     return torch.stack(out).reshape(batch, length, width)
 
 
-@pytest.mark.parametrize("checkpointing", [False, True])
-def test_replay_matches_naive_reference_with_gradients(checkpointing):
+def _recorded_then_perturbed():
+    """A tiny Qwen3-MoE, its recording on `_batch()`, then weights perturbed so natural routing drifts."""
     model = _build("qwen3_moe")
     ids, mask = _batch()
     rr = RoutingReplay(model)
     with torch.no_grad(), rr.record() as rec:
         model(input_ids=ids, attention_mask=mask)
     _perturb(model)
+    return model, ids, mask, rr, rec
+
+
+@pytest.mark.parametrize("checkpointing", [False, True])
+def test_replay_matches_naive_reference_with_gradients(checkpointing):
+    model, ids, mask, rr, rec = _recorded_then_perturbed()
     model.train()
     if checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
@@ -147,12 +153,7 @@ def test_replay_matches_naive_reference_with_gradients(checkpointing):
 
 
 def test_mask_leaves_tokens_to_natural_routing():
-    model = _build("qwen3_moe")
-    ids, mask = _batch()
-    rr = RoutingReplay(model)
-    with torch.no_grad(), rr.record() as rec:
-        model(input_ids=ids, attention_mask=mask)
-    _perturb(model)
+    model, ids, mask, rr, rec = _recorded_then_perturbed()
     with torch.no_grad():
         with rr.record() as natural:
             expected = model(input_ids=ids, attention_mask=mask).logits

@@ -77,8 +77,8 @@ class RecipeError(ValueError):
 def parse_recipe(argv: list[str]):
     """Parse `argv` (with `--config file.yaml`) into dataclasses.
 
-    Returns `(script_args, training_args, model_args, dataset_args, launch_args)` where `launch_args` are the
-    `accelerate launch` options the recipe or command line named, and `cli_launch_tokens` the subsequence of
+    Returns `(script_args, training_args, model_args, dataset_args, launch_args, cli_launch_tokens)`: `launch_args`
+    are the `accelerate launch` options the recipe or command line named, `cli_launch_tokens` the subsequence of
     `argv` that holds the command line's own accelerate options. Raises `RecipeError` for unknown keys.
     """
     from trl.cli.accelerate_config import resolve_accelerate_config_argument

@@ -72,10 +72,7 @@ class GSPOTrainer(GRPOTrainer):
             if self.routing_replay_mode != "none":
                 raise ValueError(f"`routing_replay`: {err}") from None
             return  # drift measurement is optional; replay was not asked for
-        generate_every = self.args.steps_per_generation * self.num_iterations
-        self._old_pass_runs = self.args.gradient_accumulation_steps % generate_every != 0 or (
-            self.use_vllm and self.vllm_importance_sampling_correction
-        )
+        self._old_pass_runs = runs_old_policy_pass(self.args)
         if not self._old_pass_runs and self.routing_replay_mode != "none":
             _warn_once("replay_on_policy", "routing_replay='old' with fully on-policy training: TRL runs no "
                        "old-policy pass, so there is nothing to record and replay changes nothing. Set "
@@ -323,6 +320,16 @@ def _warn_once(key: str, message: str) -> None:
         logger.warning(message)
 
 
+def runs_old_policy_pass(args) -> bool:
+    """Whether TRL computes `old_per_token_logps` (its condition in `_generate_and_score_completions`): only when a
+    rollout batch outlives one optimizer step, or for vLLM importance-sampling correction. Otherwise training is
+    fully on-policy and every importance ratio is exactly 1."""
+    generate_every = args.steps_per_generation * args.num_iterations
+    return args.gradient_accumulation_steps % generate_every != 0 or bool(
+        args.use_vllm and args.vllm_importance_sampling_correction
+    )
+
+
 def _warn_about_setup(args) -> None:
     if not isinstance(args, GSPOConfig):
         epsilon_high = args.epsilon if args.epsilon_high is None else args.epsilon_high
@@ -334,11 +341,7 @@ def _warn_about_setup(args) -> None:
                 "steps_per_generation = 4 x gradient_accumulation_steps; trl_gspo.GSPOConfig applies these "
                 "by default.",
             )
-    generate_every = args.steps_per_generation * args.num_iterations
-    on_policy = args.gradient_accumulation_steps % generate_every == 0 and not (
-        args.use_vllm and args.vllm_importance_sampling_correction
-    )
-    if on_policy:
+    if not runs_old_policy_pass(args):
         _warn_once(
             "on_policy",
             f"loss_type={args.loss_type!r} with steps_per_generation={args.steps_per_generation}, "

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 from typing import Any
 
-import torch
 from datasets import Dataset
 from datasets.utils import logging as datasets_logging
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
@@ -90,38 +89,3 @@ def sft_cold_start(
     model._sft_log_history = list(trainer.state.log_history)
     return model
 
-
-@torch.no_grad()
-def evaluate_policy(
-    model,
-    tokenizer,
-    dataset: Dataset,
-    reward_funcs,
-    *,
-    do_sample: bool = False,
-    temperature: float = 1.0,
-    batch_size: int = 256,
-    max_new_tokens: int = 10,
-) -> dict[str, float]:
-    """Decode every prompt of ``dataset`` (greedy by default) and return ``{reward_name: mean reward}``."""
-    was_training = model.training
-    model.eval()
-    completions: list[str] = []
-    prompts = dataset["prompt"]
-    for i in range(0, len(prompts), batch_size):
-        batch = tokenizer(prompts[i : i + batch_size], return_tensors="pt", padding=True)
-        out = model.generate(
-            **batch,
-            max_new_tokens=max_new_tokens,
-            do_sample=do_sample,
-            temperature=temperature if do_sample else None,
-            top_k=None,
-            top_p=None,
-            pad_token_id=tokenizer.pad_token_id,
-            eos_token_id=tokenizer.eos_token_id,
-        )
-        completions += tokenizer.batch_decode(out[:, batch["input_ids"].shape[1] :], skip_special_tokens=True)
-    if was_training:
-        model.train()
-    columns = {k: dataset[k] for k in dataset.column_names if k != "prompt"}
-    return {f.__name__: sum(f(completions, **columns)) / len(completions) for f in reward_funcs}
