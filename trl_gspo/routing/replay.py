@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .formulas import CANDIDATES, KNOWN_ROUTERS, GateFormula, reproduces
+from .formulas import CANDIDATES, KNOWN_ROUTERS, TRIPLE, UNSUPPORTED_ROUTERS, GateFormula, OutputLayout, reproduces
 
 __all__ = ["RoutingReplay", "Recording", "RoutingReplayError", "find_routers"]
 
@@ -81,6 +81,12 @@ class RoutingReplay:
                 + (f" (found {sorted(names)}; PhiMoE-style sparsemixer routers are not supported)" if names else "")
                 + ". Fix: use routing replay only with a supported Mixture-of-Experts model (see docs/routing.md)."
             )
+        unsupported = sorted({type(m).__name__ for _, m in routers} & UNSUPPORTED_ROUTERS.keys())
+        if unsupported:
+            raise RoutingReplayError(
+                f"{unsupported[0]} cannot be replayed: {UNSUPPORTED_ROUTERS[unsupported[0]]}. Fix: train this model "
+                "without routing replay (GSPO does not need it), or use a supported MoE family (docs/routing.md)."
+            )
         if getattr(model, "use_kernels", False):
             raise RoutingReplayError(
                 "the model was loaded with `use_kernels=True`: hub kernels replace the whole MoE block and never "
@@ -88,19 +94,37 @@ class RoutingReplay:
             )
         self.layer_names = [name for name, _ in routers]
         self.routers = [module for _, module in routers]
-        self.top_k = int(getattr(self.routers[0], "top_k"))
-        self.num_experts = int(getattr(self.routers[0], "num_experts"))
+        shapes = {(int(r.top_k), int(r.num_experts)) for r in self.routers}
+        if len(shapes) != 1:
+            raise RoutingReplayError(
+                f"the MoE layers differ in (top_k, num_experts): {sorted(shapes)}; recordings need one shape for all "
+                "layers. Fix: use routing replay with a model whose MoE layers share top_k and num_experts."
+            )
+        (self.top_k, self.num_experts), = shapes
         self.index_dtype = torch.uint8 if self.num_experts <= 256 else torch.int16
         self._formulas: dict[type, GateFormula] = {}
         self.drift: torch.Tensor | None = None
         self.overridden_fraction: float | None = None
         self._handles: list = []
+        self._guard_handles: list = []
+
+    def _checkpointing(self) -> bool:
+        for attribute in ("is_activation_checkpointing", "is_gradient_checkpointing"):  # new name first
+            if hasattr(type(self.model), attribute) or attribute in vars(self.model):
+                return bool(getattr(self.model, attribute))
+        return False
+
+    @staticmethod
+    def _layout(router) -> OutputLayout:
+        family = KNOWN_ROUTERS.get(type(router).__name__)
+        return family.layout if family is not None else TRIPLE
 
     # ------------------------------------------------------------------ formulas
     def _formula(self, router, logits, weights, indices) -> GateFormula:
         cls = type(router)
         if cls not in self._formulas:
-            known = KNOWN_ROUTERS.get(cls.__name__)
+            family = KNOWN_ROUTERS.get(cls.__name__)
+            known = family.formula if family is not None else None
             candidates = (known,) if known is not None else CANDIDATES
             match = next((f for f in candidates if reproduces(f, router, logits, weights, indices)), None)
             if match is None:
@@ -119,6 +143,7 @@ class RoutingReplay:
     # ------------------------------------------------------------------ hooks
     def _install(self, router_hook, model_hook) -> None:
         self._remove()
+        self._disarm_guard()
         self._handles.append(self.model.register_forward_pre_hook(model_hook, with_kwargs=True))
         for layer, router in enumerate(self.routers):
             self._handles.append(router.register_forward_hook(
@@ -128,6 +153,28 @@ class RoutingReplay:
         for handle in self._handles:
             handle.remove()
         self._handles = []
+
+    def _arm_guard(self) -> None:
+        """After a `replay()` block closed with checkpoint recomputations still owed: a router re-run by backward
+        would now route naturally and give wrong gradients (or a CheckpointError), so fail with the fix instead.
+        Disarmed by the next forward call of the model or the next `record()`/`replay()`."""
+
+        def router_guard(module, args, output):
+            if torch._C._current_graph_task_id() != -1:
+                self._disarm_guard()
+                raise RoutingReplayError(
+                    "a `replay()` block was closed before backward() had finished, with gradient checkpointing on: "
+                    "backward re-runs the routers and they would no longer see the forced experts. Fix: call "
+                    "backward() inside the `replay()` block."
+                )
+
+        self._guard_handles = [router.register_forward_hook(router_guard) for router in self.routers]
+        self._guard_handles.append(self.model.register_forward_pre_hook(lambda *_: self._disarm_guard()))
+
+    def _disarm_guard(self) -> None:
+        for handle in self._guard_handles:
+            handle.remove()
+        self._guard_handles = []
 
     @staticmethod
     def _batch_shape(args, kwargs) -> tuple[int, int]:
@@ -151,7 +198,7 @@ class RoutingReplay:
             calls.append((batch, length, [None] * len(self.routers)))
 
         def router_hook(layer, router, output):
-            logits, weights, indices = output
+            logits, weights, indices = self._layout(router).unpack(router, output)
             self._formula(router, logits, weights, indices)  # verify once per router class
             if not calls:
                 raise RoutingReplayError("a router ran outside a call of the model given to RoutingReplay.")
@@ -213,10 +260,10 @@ class RoutingReplay:
             )
         state = {"row": 0, "current": None, "calls": 0}
         fired = [False] * len(self.routers)
+        pending = [0] * len(self.routers)  # checkpoint recomputations still owed by backward, per layer
         # Per layer: [drifted, overridden, counted] tokens, kept on the router's device (no host sync per layer).
         totals: list[torch.Tensor | None] = [None] * len(self.routers)
-        checkpointing = bool(getattr(self.model, "is_activation_checkpointing",
-                                     getattr(self.model, "is_gradient_checkpointing", False)))
+        checkpointing = self._checkpointing()
 
         def model_hook(module, args, kwargs):
             batch, length = self._batch_shape(args, kwargs)
@@ -238,7 +285,8 @@ class RoutingReplay:
             state["calls"] += 1
 
         def router_hook(layer, router, output):
-            logits, weights, natural = output
+            layout = self._layout(router)
+            logits, weights, natural = layout.unpack(router, output)
             if state["current"] is None:
                 raise RoutingReplayError("a router ran outside a call of the model given to RoutingReplay.")
             start, batch, length = state["current"]
@@ -254,8 +302,12 @@ class RoutingReplay:
                 forced = torch.where(keep, forced, natural.long())
             formula = self._formula(router, logits, weights, natural)
             in_backward = torch._C._current_graph_task_id() != -1
-            if not in_backward:  # a checkpoint recomputation must not count twice
+            if in_backward:
+                pending[layer] -= 1
+            else:  # a checkpoint recomputation must not count twice
                 fired[layer] = True
+                if checkpointing and torch.is_grad_enabled() and logits.requires_grad:
+                    pending[layer] += 1  # backward will re-run this router and must see the same forced experts
                 natural_set = natural.long().sort(-1).values
                 weight = (torch.ones(natural.shape[0], device=natural.device) if stats_mask is None
                           else stats_mask[start:start + batch].reshape(-1).to(natural.device, torch.float32))
@@ -268,13 +320,15 @@ class RoutingReplay:
             new_weights = formula.fn(router, logits, forced).to(weights.dtype)
             if mask is not None:  # unforced tokens keep the router's own output, bit for bit
                 new_weights = torch.where(keep, new_weights, weights)
-            return logits, new_weights, forced.to(natural.dtype)
+            return layout.pack(router, output, logits, new_weights, forced.to(natural.dtype))
 
         self._install(router_hook, model_hook)
         try:
             yield self
         finally:
             self._remove()
+            if any(count > 0 for count in pending):
+                self._arm_guard()
         if state["calls"] == 0:
             raise RoutingReplayError("the model was not called inside `replay()`.")
         if not all(fired):
