@@ -351,3 +351,105 @@ def test_changed_router_formula_is_detected(monkeypatch):
     with pytest.raises(RoutingReplayError, match="no longer reproduces"):
         with torch.no_grad(), rr.record():
             model(input_ids=ids, attention_mask=mask)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("implementation", ["eager", "batched_mm", "grouped_mm"])
+@pytest.mark.parametrize("name", ["qwen3_moe", "gpt_oss"])
+def test_replay_under_every_experts_implementation_and_dtype(name, implementation, dtype, monkeypatch):
+    from transformers.integrations.moe import ExpertsInterface
+
+    calls = []
+    if implementation != "eager":  # prove the requested implementation really ran
+        original = ExpertsInterface._global_mapping[implementation]
+        monkeypatch.setitem(ExpertsInterface._global_mapping, implementation,
+                            lambda *args, **kwargs: calls.append(1) or original(*args, **kwargs))
+    ids, mask = _batch()
+
+    def replayed(model, rr, indices):
+        model.train()
+        with rr.replay(indices):
+            loss = model(input_ids=ids, attention_mask=mask, labels=ids).loss
+            loss.backward()
+        router_grad = torch.cat([_router_weight(r).grad.flatten().float() for r in rr.routers])
+        return loss.detach().float(), router_grad
+
+    # float32 eager replay of the same weights is the yardstick
+    reference_model = _build(name)
+    reference_rr = RoutingReplay(reference_model)
+    model = _build(name, dtype=dtype, experts_implementation=implementation)
+    rr = RoutingReplay(model)
+    with torch.no_grad():
+        with rr.record() as rec:
+            natural = model(input_ids=ids, attention_mask=mask).logits
+        with rr.replay(rec.indices):  # self-replay is bit-exact in every dtype and implementation
+            torch.testing.assert_close(model(input_ids=ids, attention_mask=mask).logits, natural, rtol=0, atol=0)
+    _perturb(model)
+    _perturb(reference_model)
+    with torch.no_grad():  # same perturbed weights, up to the cast
+        for p, q in zip(reference_model.parameters(), model.parameters()):
+            p.copy_(q.float())
+    loss, router_grad = replayed(model, rr, rec.indices)
+    reference_loss, reference_router_grad = replayed(reference_model, reference_rr, rec.indices)
+    assert float(rr.drift.max()) > 0 and float(reference_rr.drift.max()) > 0
+    tolerance = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(loss, reference_loss, rtol=tolerance, atol=tolerance)
+    relative_error = (router_grad - reference_router_grad).norm() / reference_router_grad.norm()
+    assert relative_error < (1e-4 if dtype == torch.float32 else 5e-2)
+    assert implementation == "eager" or calls
+
+
+def test_unsupported_routers_are_refused_with_the_reason(monkeypatch):
+    from transformers import DbrxConfig, DbrxForCausalLM, PhimoeConfig, PhimoeForCausalLM
+
+    dbrx = DbrxForCausalLM(DbrxConfig(vocab_size=64, d_model=32, n_layers=1, n_heads=4, max_seq_len=64,
+                                      ffn_config={"ffn_hidden_size": 16, "moe_num_experts": 4, "moe_top_k": 2},
+                                      attn_config={"kv_n_heads": 2, "rope_theta": 10000.0}))
+    with pytest.raises(RoutingReplayError, match="DbrxRouter cannot be replayed.*Fix"):
+        RoutingReplay(dbrx)
+    phimoe = PhimoeForCausalLM(PhimoeConfig(**{**COMMON, "num_hidden_layers": 1}, num_local_experts=4,
+                                            num_experts_per_tok=2, intermediate_size=16))
+    with pytest.raises(RoutingReplayError, match="PhimoeTopKRouter cannot be replayed.*sparsemixer"):
+        RoutingReplay(phimoe)
+    model = _build("qwen3_moe")
+    # what from_pretrained(..., use_kernels=True) reports (the real setter needs the `kernels` package)
+    monkeypatch.setattr(type(model), "use_kernels", property(lambda self: True))
+    with pytest.raises(RoutingReplayError, match="use_kernels"):
+        RoutingReplay(model)
+    monkeypatch.undo()
+    model = _build("qwen3_moe")
+    model.model.layers[1].mlp.gate.top_k = 3
+    with pytest.raises(RoutingReplayError, match="top_k, num_experts"):
+        RoutingReplay(model)
+
+
+def _reference_load_balancing(router_logits, chosen_per_layer, mask, num_experts):
+    """Switch-Transformer balancing loss over real tokens, all layers pooled: E * sum_e f_e * P_e, f_e the share of
+    top-k assignments given to expert e, P_e its mean router probability."""
+    real = mask.reshape(-1).double()
+    assignments = torch.zeros(num_experts, dtype=torch.float64)
+    probabilities = torch.zeros(num_experts, dtype=torch.float64)
+    for logits, chosen in zip(router_logits, chosen_per_layer):
+        for t in range(logits.shape[0]):
+            assignments[chosen[t]] += real[t]
+            probabilities += real[t] * torch.softmax(logits[t].double(), -1)
+    rows = real.sum() * len(router_logits)
+    return num_experts * ((assignments / rows) * (probabilities / rows)).sum()
+
+
+def test_aux_loss_under_replay_balances_the_natural_choices():
+    """transformers' balancing loss recomputes top-k from the router logits, so under replay it regularizes the
+    router's natural choices (docs/routing.md), not the replayed ones, and still trains the router."""
+    model, ids, mask, rr, rec = _recorded_then_perturbed()
+    model.train()
+    with rr.replay(rec.indices):
+        out = model(input_ids=ids, attention_mask=mask, output_router_logits=True)
+        out.aux_loss.backward()
+    assert all(_router_weight(r).grad.abs().sum() > 0 for r in rr.routers)
+    logits = [layer.detach() for layer in out.router_logits]
+    natural = [layer.topk(rr.top_k, dim=-1).indices for layer in logits]
+    replayed = [rec.indices[:, :, i].reshape(-1, rr.top_k).long() for i in range(len(logits))]
+    on_natural = _reference_load_balancing(logits, natural, mask, rr.num_experts)
+    on_replayed = _reference_load_balancing(logits, replayed, mask, rr.num_experts)
+    torch.testing.assert_close(out.aux_loss.double(), on_natural, rtol=1e-5, atol=1e-7)
+    assert float(rr.drift.max()) > 0 and not torch.isclose(on_natural, on_replayed)
