@@ -10,11 +10,11 @@ from trl_gspo.quickstart.model import build_dense_model, build_model
 pytestmark = pytest.mark.slow
 
 
-def _run(tokenizer, output_dir, **config):
+def _run(tokenizer, output_dir, peft_config=None, **config):
     config = {"steps_per_generation": 4, "max_steps": 4, "per_device_train_batch_size": 4,
               "learning_rate": 1e-2, **config}
     trainer = GSPOTrainer(build_model(tokenizer), digit_reward, args=tiny_config(output_dir, **config),
-                          train_dataset=toy_dataset(), processing_class=tokenizer)
+                          train_dataset=toy_dataset(), processing_class=tokenizer, peft_config=peft_config)
     trainer.train()
     return trainer, [h for h in trainer.state.log_history if "loss" in h]
 
@@ -28,6 +28,8 @@ def test_grpo_with_routing_replay_logs_drift(tmp_path, tokenizer):
     assert drift[0] == 0.0  # first mini-batch after generation: nothing has been updated yet
     assert max(drift) > 0 and max(replayed) > 0
     assert all(h["routing/drift_max"] >= h["routing/drift_mean"] for h in logs)
+    # The tiny Qwen3-MoE config has router_aux_loss_coef 0.001, so TRL adds the balancing loss under replay too.
+    assert trainer.aux_loss_enabled and all(h["aux_loss"] > 0 for h in logs)
 
 
 def test_drift_is_measured_without_replay(tmp_path, tokenizer):
@@ -75,3 +77,20 @@ def test_on_policy_replay_warns(tmp_path, tokenizer, caplog):
                     args=tiny_config(tmp_path, loss_type="grpo", routing_replay="old", steps_per_generation=1),
                     train_dataset=toy_dataset(), processing_class=tokenizer)
     assert "nothing to record" in caplog.text
+
+
+def test_replay_with_lora_on_attention_and_experts_and_a_reference_pass(tmp_path, tokenizer):
+    """PEFT: LoRA on attention and on the fused experts (`target_parameters`), beta > 0 so TRL's reference pass
+    runs with the adapters disabled; that pass keeps natural routing and must not consume the recording."""
+    from peft import LoraConfig
+
+    lora = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"],
+                      target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"])
+    trainer, logs = _run(tokenizer, tmp_path, peft_config=lora, loss_type="grpo", routing_replay="old",
+                         beta=0.1, learning_rate=5e-2)
+    assert len(trainer._routing.routers) == 2
+    assert {"routing/drift_mean", "routing/replayed_token_fraction", "kl"} <= logs[-1].keys()
+    assert max(h["routing/replayed_token_fraction"] for h in logs) > 0  # adapters moved routing; replay forced it
+    assert all(h["kl"] >= 0 for h in logs) and max(h["kl"] for h in logs) > 0
+    lora_b = [p for n, p in trainer.model.named_parameters() if "lora_B" in n]
+    assert len(lora_b) == 2 * 4 and all(p.abs().sum() > 0 for p in lora_b)  # q, v, gate_up, down x 2 layers
