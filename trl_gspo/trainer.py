@@ -113,15 +113,16 @@ class GSPOTrainer(GRPOTrainer):
             return
         replay, self._open_replay = self._open_replay, None
         replay.__exit__(None, None, None)
-        drift = self._routing.drift
+        from .routing import drift_statistics
+
+        # Sum token counts over ranks before dividing, so the metrics are over all ranks' tokens.
+        counts = self.accelerator.reduce(self._routing.token_counts.to(self.accelerator.device), reduction="sum")
+        drift, overridden_fraction = drift_statistics(counts.cpu())
         metrics = self._metrics["train"]
-        stats = self.accelerator.reduce(
-            torch.stack([drift.mean(), drift.max(), torch.tensor(self._routing.overridden_fraction)]).to(
-                self.accelerator.device), reduction="mean")
-        metrics["routing/drift_mean"].append(stats[0].item())
-        metrics["routing/drift_max"].append(stats[1].item())
+        metrics["routing/drift_mean"].append(drift.mean().item())
+        metrics["routing/drift_max"].append(drift.max().item())
         if self.routing_replay_mode == "old":
-            metrics["routing/replayed_token_fraction"].append(stats[2].item())
+            metrics["routing/replayed_token_fraction"].append(overridden_fraction)
 
     def training_step(self, model, inputs, num_items_in_batch):
         try:

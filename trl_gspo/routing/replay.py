@@ -22,7 +22,14 @@ import torch
 
 from .formulas import CANDIDATES, KNOWN_ROUTERS, TRIPLE, UNSUPPORTED_ROUTERS, GateFormula, OutputLayout, reproduces
 
-__all__ = ["RoutingReplay", "Recording", "RoutingReplayError", "find_routers"]
+__all__ = ["RoutingReplay", "Recording", "RoutingReplayError", "drift_statistics", "find_routers"]
+
+
+def drift_statistics(token_counts: torch.Tensor) -> tuple[torch.Tensor, float]:
+    """`(drift per layer, overridden fraction)` from `[layers, 3]` counts of (drifted, overridden, counted) tokens.
+    Counts add up across micro-batches and ranks; fractions do not, so reduce counts first."""
+    drifted, overridden, counted = token_counts.double().unbind(-1)
+    return (drifted / counted.clamp(min=1)).float(), float(overridden.sum() / counted.sum().clamp(min=1))
 
 
 class RoutingReplayError(RuntimeError):
@@ -105,6 +112,7 @@ class RoutingReplay:
         self._formulas: dict[type, GateFormula] = {}
         self.drift: torch.Tensor | None = None
         self.overridden_fraction: float | None = None
+        self.token_counts: torch.Tensor | None = None
         self._handles: list = []
         self._guard_handles: list = []
 
@@ -248,7 +256,8 @@ class RoutingReplay:
                 `overridden_fraction` (e.g. the attention mask, to leave padding out of the statistics).
 
         After the block: `drift[layer]` is the fraction of counted tokens whose natural top-k set differs from the
-        recorded one, `overridden_fraction` the fraction (over layers and tokens) that replay actually changed.
+        recorded one, `overridden_fraction` the fraction (over layers and tokens) that replay actually changed, and
+        `token_counts[layer]` the underlying (drifted, overridden, counted) token counts.
 
         Keep the block open until `backward()` has finished when gradient checkpointing is on: the checkpointed
         layers re-run their routers during backward and must see the same forced experts.
@@ -334,6 +343,5 @@ class RoutingReplay:
         if not all(fired):
             silent = [self.layer_names[i] for i in range(len(self.routers)) if not fired[i]]
             raise RoutingReplayError(f"routers {silent[:3]} never fired during replay; nothing was replayed there.")
-        drifted, overridden, counted = torch.stack([t.cpu() for t in totals]).unbind(-1)
-        self.drift = (drifted / counted.clamp(min=1)).float()
-        self.overridden_fraction = float(overridden.sum() / counted.sum().clamp(min=1))
+        self.token_counts = torch.stack([t.cpu() for t in totals])
+        self.drift, self.overridden_fraction = drift_statistics(self.token_counts)
