@@ -6,6 +6,7 @@ import textwrap
 from pathlib import Path
 
 import pytest
+import yaml
 
 from trl_gspo.cli import RecipeError, main, parse_recipe
 
@@ -87,8 +88,29 @@ def test_dry_run_prints_resolved_config(tmp_path, capsys):
     assert "epsilon=0.0003" in out and "steps_per_generation=4" in out and "recipe is valid" in out
 
 
-def test_shipped_recipes_resolve(capsys):
-    recipes = sorted((ROOT / "recipes").glob("*.yaml"))
-    assert recipes, "no recipes shipped"
-    for recipe in recipes:
-        assert main(["--config", str(recipe), "--dry_run", "true"]) == 0, recipe
+RECIPES = sorted(p for p in (ROOT / "recipes").rglob("*.yaml") if p.parent.name != "accelerate")
+
+
+@pytest.mark.parametrize("recipe", RECIPES, ids=[str(p.relative_to(ROOT / "recipes")) for p in RECIPES])
+def test_shipped_recipes_resolve(recipe, capsys):
+    """Every recipe resolves into a valid GSPOConfig / ModelConfig and launch options without downloading anything."""
+    assert main(["--config", str(recipe), "--dry_run", "true"]) == 0
+    out = capsys.readouterr().out
+    assert "recipe is valid" in out
+    name = yaml.safe_load(recipe.read_text()).get("accelerate_config")
+    if name:  # the recipe's own accelerate config file, found relative to the recipe
+        assert Path(out.split("--config_file")[1].split()[0]).resolve() == (recipe.parent / name).resolve()
+
+
+def test_paper_comparison_recipes_differ_only_where_the_paper_does():
+    folder = ROOT / "recipes" / "qwen3_30b_a3b"
+    gspo, grpo, replay = (yaml.safe_load((folder / f"{n}.yaml").read_text())
+                          for n in ("gspo", "grpo", "grpo_routing_replay"))
+    assert (gspo["loss_type"], gspo["epsilon"], gspo["epsilon_high"]) == ("gspo", 3e-4, 4e-4)
+    assert (grpo["loss_type"], grpo["epsilon"], grpo["epsilon_high"]) == ("grpo", 0.2, 0.27)
+    assert replay["routing_replay"] == "old" and "routing_replay" not in grpo
+    for recipe in (gspo, grpo, replay):  # 4 mini-batches per rollout batch, no KL
+        assert recipe["steps_per_generation"] == 4 * recipe["gradient_accumulation_steps"] and recipe["beta"] == 0
+    shared = {k for k in gspo if k not in {"loss_type", "epsilon", "epsilon_high", "output_dir",
+                                            "importance_sampling_level"}}
+    assert all(gspo[k] == grpo[k] == replay[k] for k in shared)

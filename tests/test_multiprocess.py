@@ -12,7 +12,7 @@ import pytest
 
 pytestmark = [pytest.mark.slow, pytest.mark.multiprocess]
 SCRIPT = Path(__file__).parent / "scripts" / "ddp_parity.py"
-REPLAY_SCRIPT = Path(__file__).parent / "scripts" / "replay_multiprocess.py"
+RUN_SCRIPT = Path(__file__).parent / "scripts" / "multiprocess_run.py"
 ACCELERATE_CONFIGS = Path(__file__).parents[1] / "recipes" / "accelerate"
 
 
@@ -52,7 +52,7 @@ def _launch(script, out_dir, *launch_args):
 
 @pytest.fixture(scope="module")
 def single_process_replay(tmp_path_factory):
-    return _launch(REPLAY_SCRIPT, tmp_path_factory.mktemp("one"), "--num_processes", "1", "--num_machines", "1",
+    return _launch(RUN_SCRIPT, tmp_path_factory.mktemp("one"), "--num_processes", "1", "--num_machines", "1",
                    "--mixed_precision", "no", "--dynamo_backend", "no")
 
 
@@ -65,7 +65,7 @@ def test_routing_replay_on_two_processes_matches_one(backend, single_process_rep
     launch = (["--multi_gpu", "--num_processes", "2", "--num_machines", "1", "--mixed_precision", "no",
                "--dynamo_backend", "no"] if backend == "ddp" else
               ["--config_file", str(ACCELERATE_CONFIGS / f"cpu_{backend}.yaml"), "--num_processes", "2"])
-    two, one = _launch(REPLAY_SCRIPT, tmp_path, *launch), single_process_replay
+    two, one = _launch(RUN_SCRIPT, tmp_path, *launch), single_process_replay
     assert (two["world_size"], two["deepspeed"], one["world_size"]) == (2, backend != "ddp", 1)
     assert max(one["replayed"]) > 0 and any(abs(x) > 1e-3 for x in one["loss"])  # off-policy steps, real signal
     assert two["loss"] == pytest.approx(one["loss"], rel=1e-4, abs=1e-6)

@@ -105,11 +105,23 @@ def parse_recipe(argv: list[str]):
                     "nor an `accelerate launch` option. Fix: check its spelling against `trl-gspo --help` "
                     "(or remove it)."
                 )
+    if "--config" in argv:  # a recipe's relative accelerate_config path is relative to the recipe file
+        config_remaining = _relative_to_recipe(config_remaining, os.path.dirname(argv[argv.index("--config") + 1]))
     try:
         launch_args = resolve_accelerate_config_argument(config_remaining + cli_remaining)
     except ValueError as err:
         raise RecipeError(f"`accelerate_config`: {err}") from None
     return (*dataclasses, launch_args, cli_remaining)
+
+
+def _relative_to_recipe(tokens: list[str], recipe_dir: str) -> list[str]:
+    tokens = list(tokens)
+    if "--accelerate_config" in tokens[:-1]:
+        index = tokens.index("--accelerate_config") + 1
+        candidate = os.path.join(recipe_dir, tokens[index])
+        if not os.path.isfile(tokens[index]) and os.path.isfile(candidate):
+            tokens[index] = candidate
+    return tokens
 
 
 def _without(argv: list[str], tokens: list[str]) -> list[str]:

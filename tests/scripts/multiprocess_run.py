@@ -1,14 +1,18 @@
-"""Run under `accelerate launch` (DDP or DeepSpeed, 1 or 2 processes): GRPO + routing replay on a tiny Qwen3-MoE.
+"""Run under `accelerate launch` (DDP or DeepSpeed, 1 or 2 processes): a short GSPO/GRPO run on a tiny Qwen3-MoE.
+
+    multiprocess_run.py OUT_DIR [--loss-type gspo] [--routing-replay old] [--lora] [--save-steps N] [--resume]
 
 The global batch is the same whatever the number of processes (8 completions per step), and sampling noise is keyed
 by (prompt, copy, position) instead of by each rank's RNG stream, so one process and two draw the same completions
 and their losses can be compared. Each batch is used for two optimizer steps (`num_iterations=2`): the second is
 off-policy, so routing drifts and replay has something to force.
 
-Prints one JSON line (rank 0): per-step losses, grad norms and routing metrics, and per rank a fingerprint of the
-experts its recordings hold (ranks see different prompts, so they must route differently).
+Prints one JSON line (rank 0): per-step losses, grad norms, clip and routing metrics, a checksum of the final
+weights, and per rank a fingerprint of the experts its recordings hold (ranks see different prompts, so they must
+route differently).
 """
 
+import argparse
 import copy
 import hashlib
 import json
@@ -40,8 +44,9 @@ class FingerprintingTrainer(GSPOTrainer):
 
     def _generate_and_score_completions(self, inputs):
         output = super()._generate_and_score_completions(inputs)
-        recorded = output["routing_indices"]
-        self.fingerprints.append(hashlib.sha1(recorded.cpu().numpy().tobytes()).hexdigest()[:12])
+        recorded = output.get("routing_indices")
+        if recorded is not None:
+            self.fingerprints.append(hashlib.sha1(recorded.cpu().numpy().tobytes()).hexdigest()[:12])
         return output
 
 
@@ -79,26 +84,53 @@ def distinct_characters(completions, **kwargs):
     return [float(len(set(completion))) for completion in completions]
 
 
-out_dir = Path(sys.argv[1])
+parser = argparse.ArgumentParser()
+parser.add_argument("out_dir", type=Path)
+parser.add_argument("--loss-type", default="grpo")
+parser.add_argument("--routing-replay", default="old")
+parser.add_argument("--lora", action="store_true", help="LoRA on attention and on the fused experts")
+parser.add_argument("--max-steps", type=int, default=6)
+parser.add_argument("--save-steps", type=int, default=0, help="save a checkpoint every N steps (0: never)")
+parser.add_argument("--resume", action="store_true", help="resume from the last checkpoint in OUT_DIR")
+cli = parser.parse_args()
+
 torch.set_num_threads(1)
 tokenizer = build_tokenizer()
 world_size = int(os.environ.get("WORLD_SIZE", "1"))
-args = tiny_config(out_dir, loss_type="grpo", routing_replay="old", steps_per_generation=1, num_iterations=2,
-                   max_steps=6, per_device_train_batch_size=8 // world_size, learning_rate=1e-2,
-                   ddp_backend="gloo" if world_size > 1 else None,
-                   router_aux_loss_coef=0.0)  # the balancing loss is per rank, so it does not add up across ranks
+args = tiny_config(cli.out_dir, loss_type=cli.loss_type, routing_replay=cli.routing_replay, steps_per_generation=1,
+                   num_iterations=2, max_steps=cli.max_steps, per_device_train_batch_size=8 // world_size,
+                   learning_rate=1e-2, ddp_backend="gloo" if world_size > 1 else None,
+                   router_aux_loss_coef=0.0,  # the balancing loss is per rank, so it does not add up across ranks
+                   save_strategy="steps" if cli.save_steps else "no", save_steps=cli.save_steps or 500)
+peft_config = None
+if cli.lora:
+    from peft import LoraConfig
+
+    peft_config = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"],
+                             target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"])
 model = keyed_sampling(build_model(tokenizer, seed=0), args.num_generations)
-trainer = FingerprintingTrainer(model, distinct_characters, args=args, train_dataset=toy_dataset(), processing_class=tokenizer)
-trainer.train()
+trainer = FingerprintingTrainer(model, distinct_characters, args=args, train_dataset=toy_dataset(),
+                                processing_class=tokenizer, peft_config=peft_config)
+trainer.train(resume_from_checkpoint=cli.resume or None)
 history = [h for h in trainer.state.log_history if "loss" in h]
 fingerprints = trainer.accelerator.gather_for_metrics([trainer.fingerprints], use_gather_object=True)
+if trainer.is_deepspeed_enabled and trainer.accelerator.state.deepspeed_plugin.zero_stage == 3:
+    import deepspeed
+
+    with deepspeed.zero.GatheredParameters(list(trainer.model.parameters())):
+        checksum = float(sum(p.double().sum() for p in trainer.model.parameters()))
+else:
+    checksum = float(sum(p.double().sum() for p in trainer.model.parameters()))
 if trainer.accelerator.is_main_process:
     print("RESULT " + json.dumps({
         "world_size": trainer.accelerator.num_processes,
         "deepspeed": trainer.is_deepspeed_enabled,
+        "step": [h["step"] for h in history],
         "loss": [h["loss"] for h in history],
         "grad_norm": [h["grad_norm"] for h in history],
-        "drift": [h["routing/drift_mean"] for h in history],
-        "replayed": [h["routing/replayed_token_fraction"] for h in history],
+        "clip": [h.get("clip_ratio/region_mean") for h in history],
+        "drift": [h.get("routing/drift_mean") for h in history],
+        "replayed": [h.get("routing/replayed_token_fraction") for h in history],
+        "checksum": checksum,
         "fingerprints": fingerprints,
     }), flush=True)
