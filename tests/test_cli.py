@@ -114,3 +114,16 @@ def test_paper_comparison_recipes_differ_only_where_the_paper_does():
     shared = {k for k in gspo if k not in {"loss_type", "epsilon", "epsilon_high", "output_dir",
                                             "importance_sampling_level"}}
     assert all(gspo[k] == grpo[k] == replay[k] for k in shared)
+
+
+@pytest.mark.parametrize("rewards,needle", [("[no_such_reward]", "unknown reward 'no_such_reward'"),
+                                            ("[accuracy_reward]", 'pip install "trl-gspo[math]"')])
+def test_reward_problems_fail_before_launch(tmp_path, capsys, monkeypatch, rewards, needle):
+    import importlib.util
+
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "math_verify" else
+                        find_spec(name, *a))
+    recipe = BASE.format(out=tmp_path / "o").replace("[digit_match_reward]", rewards)
+    assert main(["--config", _recipe(tmp_path, recipe), "--dry_run", "true"]) == 2
+    assert needle in capsys.readouterr().err

@@ -173,6 +173,9 @@ def main(argv: list[str] | None = None) -> int:
                 argv + ["--use_cpu", "true", "--bf16", "false"]
             )
             note = "(no GPU here: validated with use_cpu=true, bf16=false; the recipe itself asks for bf16)\n"
+        from .train import _reward_functions
+
+        _reward_functions(script_args)  # unknown names or a missing verifier fail here, before any process starts
     except (RecipeError, ValueError, TypeError) as err:
         print(f"trl-gspo: error: {err}", file=sys.stderr)
         return 2

@@ -6,6 +6,7 @@ Also runs under `accelerate launch [options] -m trl_gspo.train --config recipe.y
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import os
 import sys
 import time
@@ -33,6 +34,9 @@ def _reward_functions(script_args):
     }
     rewards = [script_args.reward_model_name_or_path] if script_args.reward_model_name_or_path else []
     for name in script_args.reward_funcs or []:
+        if name in ("accuracy_reward", "reasoning_accuracy_reward") and importlib.util.find_spec("math_verify") is None:
+            raise RecipeError(f"`reward_funcs`: {name} checks answers with math-verify, which is not installed. "
+                              'Fix: pip install "trl-gspo[math]".')
         if name in registry:
             rewards.append(registry[name])
         elif "." in name:
