@@ -146,7 +146,8 @@ def gspo_loss(
         old_logps: ``(B, T)`` log pi_old of the same tokens (the policy that sampled them).
         advantages: ``(B,)`` group-normalized advantages ``A_i`` (Eq. 6), or ``(B, 1)``.
         mask: ``(B, T)`` 1 for valid completion tokens.
-        eps_low, eps_high: clip range; the paper uses 3e-4 and 4e-4.
+        eps_low: left clip width: ``s_i`` is clipped below at ``1 - eps_low`` (paper: 3e-4).
+        eps_high: right clip width: ``s_i`` is clipped above at ``1 + eps_high`` (paper: 4e-4).
         check_inputs: raise ``ValueError`` on NaN/Inf at valid positions.
     """
     _check_clip_range(eps_low, eps_high)
@@ -196,10 +197,11 @@ def gspo_token_loss(
     ``s_i,t`` equals ``s_i`` in value, so the clip decision is per sequence, but each token carries its own
     advantage. With ``A_i,t = A_i`` for every token this equals :func:`gspo_loss` in value and gradient.
 
+    The other arguments are as in `gspo_loss`.
+
     Args:
         advantages: ``(B, T)`` per-token advantages, or ``(B,)`` / ``(B, 1)`` per-sequence advantages
             (broadcast over tokens).
-        Other arguments as in :func:`gspo_loss`.
     """
     _check_clip_range(eps_low, eps_high)
     _check_shapes(logps, old_logps, mask)
