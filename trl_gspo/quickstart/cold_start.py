@@ -55,7 +55,7 @@ def sft_cold_start(
         logging_steps=logging_steps,
         save_strategy="no",
         report_to="none",
-        use_cpu=True,
+        use_cpu=config_overrides.pop("use_cpu", True),  # CPU unless the caller asks for an accelerator
         bf16=False,
         fp16=False,
         gradient_checkpointing=False,

@@ -1,0 +1,72 @@
+"""Shared setup for the trainer benchmarks: one model, one rollout batch, trainers for each loss."""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+
+# name -> (trainer class name, config overrides); TRL's trainers are the baselines
+ARMS = {
+    "gspo": ("GSPOTrainer", dict(loss_type="gspo")),
+    "trl_sequence_grpo": ("GRPOTrainer", dict(loss_type="grpo", importance_sampling_level="sequence",
+                                              epsilon=3e-4, epsilon_high=4e-4)),
+    "trl_token_grpo": ("GRPOTrainer", dict(loss_type="grpo", importance_sampling_level="token",
+                                           epsilon=0.2, epsilon_high=0.27)),
+    "grpo": ("GSPOTrainer", dict(loss_type="grpo", importance_sampling_level="token", epsilon=0.2,
+                                 epsilon_high=0.27)),
+    "grpo_routing_replay": ("GSPOTrainer", dict(loss_type="grpo", importance_sampling_level="token", epsilon=0.2,
+                                                epsilon_high=0.27, routing_replay="old")),
+}
+SIZES = {  # overrides of trl_gspo/quickstart/tiny_qwen3_moe.json
+    "cpu": dict(hidden_size=256, intermediate_size=512, moe_intermediate_size=128, num_hidden_layers=4,
+                num_experts=16, num_experts_per_tok=4, num_attention_heads=8, num_key_value_heads=4, head_dim=32,
+                max_position_embeddings=512),
+    "gpu": dict(hidden_size=2048, intermediate_size=6144, moe_intermediate_size=768, num_hidden_layers=4,
+                num_experts=128, num_experts_per_tok=8, num_attention_heads=32, num_key_value_heads=4, head_dim=128,
+                max_position_embeddings=4096),  # Qwen3-30B-A3B layer shapes, 4 layers
+}
+
+
+def build(size: str, device: str, dtype: torch.dtype, seed: int = 0):
+    from trl_gspo.quickstart.model import build_model
+    from trl_gspo.quickstart.tokenizer import build_tokenizer
+
+    tokenizer = build_tokenizer()
+    model = build_model(tokenizer, config_overrides=SIZES[size], seed=seed).to(device, dtype)
+    return model, tokenizer
+
+
+def dataset(count: int = 512):
+    from trl_gspo.quickstart.addition import make_rl_dataset
+
+    return make_rl_dataset(count, seed=0)
+
+
+def length_reward(completions, **kwargs):
+    """Varies within every group, so advantages are non-zero."""
+    return [float(len(c)) for c in completions]
+
+
+def trainer(arm: str, model, tokenizer, output_dir: str, device: str, dtype: torch.dtype, completion_length: int,
+            batch: int, **overrides):
+    import trl
+
+    import trl_gspo
+
+    class_name, arm_overrides = ARMS[arm]
+    cls = getattr(trl_gspo if class_name == "GSPOTrainer" else trl, class_name)
+    config_cls = trl_gspo.GSPOConfig if class_name == "GSPOTrainer" else trl.GRPOConfig
+    args = config_cls(
+        output_dir=output_dir, use_cpu=device == "cpu", bf16=dtype == torch.bfloat16, report_to="none",
+        per_device_train_batch_size=batch, num_generations=8, steps_per_generation=4, gradient_accumulation_steps=1,
+        max_completion_length=completion_length, temperature=1.0, beta=0.0, logging_steps=1, save_strategy="no",
+        disable_tqdm=True, seed=0, gradient_checkpointing=False,
+        # every completion has the full length, so all arms process the same number of tokens
+        generation_kwargs={"min_new_tokens": completion_length}, **{**arm_overrides, **overrides})
+    built = cls(copy.deepcopy(model), length_reward, args=args, train_dataset=dataset(), processing_class=tokenizer)
+    built.current_gradient_accumulation_steps = 1  # normally set by train(); the losses divide by it
+    from transformers import PrinterCallback
+
+    built.remove_callback(PrinterCallback)  # the benchmarks print their own summary
+    return built

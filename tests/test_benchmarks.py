@@ -1,0 +1,41 @@
+"""The benchmark scripts run end to end at a tiny size and print their figure last (they are not timed here)."""
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.slow
+BENCHMARKS = Path(__file__).parents[1] / "benchmarks"
+
+
+def _run(*args, timeout=600):
+    result = subprocess.run([sys.executable, *map(str, args)], capture_output=True, text=True, timeout=timeout,
+                            env=dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1"))
+    assert result.returncode == 0, result.stderr[-3000:]
+    return result.stdout.strip().splitlines()
+
+
+@pytest.mark.parametrize("script,args,name", [
+    ("loss_overhead.py", ["--batch", "8", "--completion-length", "8", "--repeats", "2"], "loss_overhead"),
+    ("step_breakdown.py", ["--batch", "8", "--completion-length", "8", "--steps", "4", "--repeats", "1"],
+     "step_breakdown"),
+    ("memory.py", ["--batch", "8", "--completion-length", "8", "--repeats", "1"], "memory"),
+    ("routing_replay_overhead.py", ["--hidden", "64", "--experts", "8", "--expert-width", "32", "--tokens", "256",
+                                    "--seq-len", "64", "--repeats", "2"], "routing_replay_overhead"),
+])
+def test_benchmark_prints_its_figure_last(script, args, name):
+    last = _run(BENCHMARKS / script, *args)[-1]
+    assert re.fullmatch(rf"{name}: \d+\.\d+ \(target .+\)", last), last
+
+
+def test_reproduction_runs_all_arms_and_reports(tmp_path):
+    lines = _run(BENCHMARKS / "reproduce" / "run.py", "--size", "smoke", "--seeds", "0", "--jobs", "2",
+                 "--out", tmp_path)
+    assert lines[-1].startswith("reproduce: 3 runs")
+    table = (tmp_path / "results.md").read_text()
+    assert all(f"| {arm} | 1 |" in table for arm in ("gspo", "grpo", "grpo_rr"))
+    assert (tmp_path / "curves.png").stat().st_size > 10_000
