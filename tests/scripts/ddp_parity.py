@@ -40,3 +40,6 @@ for name, cls, cfg in [
     }
 if runs["gspo"]["world_size"] and trainer.accelerator.is_main_process:
     print("RESULT " + json.dumps(runs), flush=True)
+# Tear the process group down before exit: gloo's threads otherwise race the interpreter's shutdown, which can
+# abort rank 0 ("terminate called without an active exception") after the run itself has succeeded.
+trainer.end()

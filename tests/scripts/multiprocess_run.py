@@ -118,9 +118,9 @@ if trainer.is_deepspeed_enabled and trainer.accelerator.state.deepspeed_plugin.z
     import deepspeed
 
     with deepspeed.zero.GatheredParameters(list(trainer.model.parameters())):
-        checksum = float(sum(p.double().sum() for p in trainer.model.parameters()))
+        checksum = float(sum(p.detach().double().sum() for p in trainer.model.parameters()))
 else:
-    checksum = float(sum(p.double().sum() for p in trainer.model.parameters()))
+    checksum = float(sum(p.detach().double().sum() for p in trainer.model.parameters()))
 if trainer.accelerator.is_main_process:
     print("RESULT " + json.dumps({
         "world_size": trainer.accelerator.num_processes,
@@ -134,3 +134,6 @@ if trainer.accelerator.is_main_process:
         "checksum": checksum,
         "fingerprints": fingerprints,
     }), flush=True)
+# Tear the process group down before exit: gloo's threads otherwise race the interpreter's shutdown, which can
+# abort rank 0 ("terminate called without an active exception") after the run itself has succeeded.
+trainer.end()
