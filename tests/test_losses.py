@@ -20,7 +20,7 @@ import math
 import pytest
 import torch
 
-from trl_gspo.losses import gspo_loss, gspo_token_loss, k3_kl
+from trl_gspo.losses import _clipped_surrogate, gspo_loss, gspo_token_loss, k3_kl
 
 EPS_LOW = 3e-4
 EPS_HIGH = 4e-4
@@ -339,12 +339,16 @@ def test_gspo_min_tie_inside_band_gives_full_unclipped_gradient():
     out, grad = _run(gspo_loss, logps, old, adv, mask)
     _close(out.per_sequence_loss, [-2.0, 3.0])
     _close(grad, [[-2.0 / T] * T, [3.0 / T] * T])
-    # Exactly at the band edges clamp is still the identity, so the full gradient flows too.
-    for edge, a in ((math.log1p(EPS_HIGH), 1.0), (math.log1p(-EPS_LOW), -1.0)):
-        old_e = logps - edge
-        out_e, grad_e = _run(gspo_loss, logps, old_e, _t([a, a]), mask)
-        s = out_e.ratio
-        _close(grad_e, (-a * s / T)[:, None].expand(2, T))
+    # Exactly at the band edges clamp is still the identity, so the full gradient flows too. The ratio is set
+    # directly: built from log-probs, exp(mean(logps - old)) lands an ulp either side of the edge (an end-to-end
+    # version of this check passed on one machine and failed on another).
+    for edge, a in ((1.0 + EPS_HIGH, 1.0), (1.0 - EPS_LOW, -1.0)):
+        ratio = torch.tensor([edge], dtype=torch.float64, requires_grad=True)
+        loss, low, high = _clipped_surrogate(ratio, _t([a]), EPS_LOW, EPS_HIGH)
+        loss.sum().backward()
+        _close(loss, [-a * edge])
+        _close(ratio.grad, [-a])
+        assert not low.any() and not high.any()
 
 
 def test_gspo_is_plain_mean_not_length_weighted():
