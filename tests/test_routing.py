@@ -353,6 +353,34 @@ def test_changed_router_formula_is_detected(monkeypatch):
             model(input_ids=ids, attention_mask=mask)
 
 
+def test_router_that_does_not_choose_experts_is_refused():
+    """transformers 5.20's Jamba router was a bare Linear (top-k ran in the MoE block): nothing replay can force."""
+    model = _build("qwen3_moe")
+    for router in find_routers(model):
+        del router[1].top_k
+    with pytest.raises(RoutingReplayError, match="only computes logits"):
+        RoutingReplay(model)
+
+
+@pytest.mark.parametrize("phase", ["record", "replay"])
+def test_changed_router_output_layout_is_detected(phase):
+    """transformers 5.20's GraniteMoe router returned (indices, weights, logits), the reverse of 5.23's order. A
+    release that reorders router outputs must fail with a clear error, in recording and in replay."""
+    model = _build("qwen3_moe")
+    rr = RoutingReplay(model)
+    ids, mask = _batch()
+    with torch.no_grad(), rr.record() as rec:
+        model(input_ids=ids, attention_mask=mask)
+    handles = [router.register_forward_hook(lambda module, args, output: tuple(reversed(output)))
+               for router in rr.routers]
+    context = rr.record() if phase == "record" else rr.replay(rec.indices)
+    with pytest.raises(RoutingReplayError, match=r"Qwen3MoeTopKRouter does not return \(router_logits"):
+        with torch.no_grad(), context:
+            model(input_ids=ids, attention_mask=mask)
+    for handle in handles:
+        handle.remove()
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("implementation", ["eager", "batched_mm", "grouped_mm"])
 @pytest.mark.parametrize("name", ["qwen3_moe", "gpt_oss"])

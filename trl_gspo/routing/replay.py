@@ -16,6 +16,7 @@ of TRL.
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -99,6 +100,15 @@ class RoutingReplay:
                 "the model was loaded with `use_kernels=True`: hub kernels replace the whole MoE block and never "
                 "call the router, so replay would silently do nothing. Fix: load the model without `use_kernels`."
             )
+        no_choice = sorted({type(m).__name__ for _, m in routers
+                            if not (hasattr(m, "top_k") and hasattr(m, "num_experts"))})
+        if no_choice:  # e.g. transformers 5.20's Jamba: the router is a bare Linear and top-k happens in the MoE block
+            raise RoutingReplayError(
+                f"{type(model).__name__}'s router module ({no_choice[0]}) only computes logits; experts are chosen "
+                "elsewhere, so replay cannot force them. The installed transformers may predate the router API that "
+                "trl-gspo drives. Fix: install the transformers version pinned in trl-gspo's requirements, or set "
+                "routing_replay='none'."
+            )
         self.layer_names = [name for name, _ in routers]
         self.routers = [module for _, module in routers]
         shapes = {(int(r.top_k), int(r.num_experts)) for r in self.routers}
@@ -126,6 +136,29 @@ class RoutingReplay:
     def _layout(router) -> OutputLayout:
         family = KNOWN_ROUTERS.get(type(router).__name__)
         return family.layout if family is not None else TRIPLE
+
+    def _unpack(self, router) -> Callable:
+        """The router's output as `(logits, weights, indices)`, checked for shape and dtype: a transformers release
+        that reorders or reshapes router outputs must fail here with a clear error, not deep inside a gather."""
+        def unpack(output):
+            try:
+                logits, weights, indices = self._layout(router).unpack(router, output)
+                well_formed = (
+                    logits.is_floating_point() and weights.is_floating_point() and not indices.is_floating_point()
+                    and weights.shape == indices.shape == (logits.shape[0], self.top_k)
+                    and logits.dim() == 2 and logits.shape[-1] == self.num_experts
+                )
+            except (TypeError, ValueError, AttributeError, IndexError, RuntimeError):
+                well_formed = False
+            if not well_formed:
+                raise RoutingReplayError(
+                    f"{type(router).__name__} does not return (router_logits [tokens, {self.num_experts}], "
+                    f"weights [tokens, {self.top_k}], expert indices [tokens, {self.top_k}]) as this version of "
+                    "trl-gspo expects; the installed transformers may have changed its router. Fix: install the "
+                    "transformers version pinned in trl-gspo's requirements, or set routing_replay='none'."
+                )
+            return logits, weights, indices
+        return unpack
 
     # ------------------------------------------------------------------ formulas
     def _formula(self, router, logits, weights, indices) -> GateFormula:
@@ -206,7 +239,7 @@ class RoutingReplay:
             calls.append((batch, length, [None] * len(self.routers)))
 
         def router_hook(layer, router, output):
-            logits, weights, indices = self._layout(router).unpack(router, output)
+            logits, weights, indices = self._unpack(router)(output)
             self._formula(router, logits, weights, indices)  # verify once per router class
             if not calls:
                 raise RoutingReplayError("a router ran outside a call of the model given to RoutingReplay.")
@@ -295,7 +328,7 @@ class RoutingReplay:
 
         def router_hook(layer, router, output):
             layout = self._layout(router)
-            logits, weights, natural = layout.unpack(router, output)
+            logits, weights, natural = self._unpack(router)(output)
             if state["current"] is None:
                 raise RoutingReplayError("a router ran outside a call of the model given to RoutingReplay.")
             start, batch, length = state["current"]
