@@ -127,3 +127,15 @@ def test_reward_problems_fail_before_launch(tmp_path, capsys, monkeypatch, rewar
     recipe = BASE.format(out=tmp_path / "o").replace("[digit_match_reward]", rewards)
     assert main(["--config", _recipe(tmp_path, recipe), "--dry_run", "true"]) == 2
     assert needle in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("launcher", [["--accelerate_config", str(ROOT / "recipes/accelerate/cpu_zero3.yaml")],
+                                      ["--use_deepspeed"]])
+def test_builtin_cold_start_under_deepspeed_fails_before_launch(tmp_path, capsys, monkeypatch, launcher):
+    import accelerate.commands.launch
+
+    monkeypatch.setattr(accelerate.commands.launch, "launch_command", lambda args: pytest.fail("launched"))
+    recipe = BASE.format(out=tmp_path / "o") + "sft_steps: 5\n"
+    assert main(["--config", _recipe(tmp_path, recipe), *launcher]) == 2
+    assert "`sft_steps` (the built-in SFT cold start) cannot run under DeepSpeed" in capsys.readouterr().err
+    assert not (tmp_path / "o").exists()

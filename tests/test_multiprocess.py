@@ -135,3 +135,21 @@ def test_routing_replay_on_two_processes_matches_one(backend, single_process_rep
     _assert_same_run(two, one, backend)
     rank0, rank1 = two["fingerprints"]
     assert len(rank0) == len(rank1) == 3 and not set(rank0) & set(rank1)  # each rank recorded its own routing
+
+
+def test_cli_quickstart_with_cold_start_on_two_ddp_processes(tmp_path):
+    """`trl-gspo` on the built-in model under two DDP processes: every rank takes part in the SFT cold start (a
+    rank-0-only cold start released the other rank from its barrier before the model existed), one summary is
+    printed, the final model is saved, and the process exits 0."""
+    command = [sys.executable, "-m", "trl_gspo.cli", "--config", str(ACCELERATE_CONFIGS.parent / "quickstart.yaml"),
+               "--accelerate_config", str(ACCELERATE_CONFIGS / "cpu_ddp.yaml"), "--main_process_port",
+               str(_free_port()), "--output_dir", str(tmp_path / "out"), "--sft_steps", "20", "--max_steps", "4",
+               "--per_device_train_batch_size", "16", "--logging_steps", "2"]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=600,
+                            env=dict(os.environ, HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1"))
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.count("trl-gspo run summary") == 1
+    assert "optimizer steps:       4" in result.stdout
+    state = json.loads((tmp_path / "out" / "trainer_state.json").read_text())
+    assert state["global_step"] == 4
+    assert (tmp_path / "out" / "model.safetensors").is_file()

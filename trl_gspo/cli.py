@@ -190,8 +190,24 @@ def main(argv: list[str] | None = None) -> int:
     accelerate_args = launch_command_parser().parse_args(
         launch_args + ["--module", TRAINING_MODULE] + _without(argv, cli_launch_tokens)
     )
+    if script_args.sft_steps > 0 and _launches_deepspeed(accelerate_args):
+        from .train import SFT_UNDER_DEEPSPEED
+
+        print(f"trl-gspo: error: {SFT_UNDER_DEEPSPEED}", file=sys.stderr)
+        return 2
     launch_command(accelerate_args)
     return 0
+
+
+def _launches_deepspeed(accelerate_args) -> bool:
+    if getattr(accelerate_args, "use_deepspeed", False):
+        return True
+    if not accelerate_args.config_file or not os.path.isfile(accelerate_args.config_file):
+        return False
+    import yaml
+
+    with open(accelerate_args.config_file) as handle:
+        return str((yaml.safe_load(handle) or {}).get("distributed_type", "")).upper() == "DEEPSPEED"
 
 
 if __name__ == "__main__":
