@@ -339,9 +339,9 @@ def test_gspo_min_tie_inside_band_gives_full_unclipped_gradient():
     out, grad = _run(gspo_loss, logps, old, adv, mask)
     _close(out.per_sequence_loss, [-2.0, 3.0])
     _close(grad, [[-2.0 / T] * T, [3.0 / T] * T])
-    # Exactly at the band edges clamp is still the identity, so the full gradient flows too. The ratio is set
-    # directly: built from log-probs, exp(mean(logps - old)) lands an ulp either side of the edge (an end-to-end
-    # version of this check passed on one machine and failed on another).
+    # Exactly at the band edges nothing is clipped (the clip indicators are strict), so the full gradient flows.
+    # torch 2.14's min/clamp subgradients would give half of it here; the loss must not depend on them. The ratio
+    # is set directly: built from log-probs, exp(mean(logps - old)) lands an ulp either side of the edge.
     for edge, a in ((1.0 + EPS_HIGH, 1.0), (1.0 - EPS_LOW, -1.0)):
         ratio = torch.tensor([edge], dtype=torch.float64, requires_grad=True)
         loss, low, high = _clipped_surrogate(ratio, _t([a]), EPS_LOW, EPS_HIGH)

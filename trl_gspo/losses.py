@@ -117,11 +117,20 @@ def sequence_log_ratio(logps: torch.Tensor, old_logps: torch.Tensor, mask: torch
 
 
 def _clipped_surrogate(ratio, advantages, eps_low, eps_high):
-    """``-min(r A, clip(r, 1-eps_low, 1+eps_high) A)`` and the low/high clip indicators."""
-    clipped_ratio = torch.clamp(ratio, 1.0 - eps_low, 1.0 + eps_high)
-    loss = -torch.minimum(ratio * advantages, clipped_ratio * advantages)
-    low = (ratio.detach() < 1.0 - eps_low) & (advantages < 0)
-    high = (ratio.detach() > 1.0 + eps_high) & (advantages > 0)
+    """``-min(r A, clip(r, 1-eps_low, 1+eps_high) A)`` and the low/high clip indicators.
+
+    The min picks the clipped term only where the clip binds against the advantage's sign (``r > 1+eps_high`` with
+    ``A > 0``, or ``r < 1-eps_low`` with ``A < 0``); there the term is a constant. Written as that selection, not
+    with ``torch.minimum`` and ``torch.clamp``, so the gradient at a tie or exactly on a band edge does not depend
+    on torch's subgradient conventions (torch 2.14 changed ``clamp``'s gradient at the bound from 1 to 0, which
+    halved the gradient of ``min(r, clamp(r))`` at ``r = 1+eps``). Same value everywhere; the gradient is zero
+    exactly where the clip indicators are set.
+    """
+    ratio_detached = ratio.detach()
+    low = (ratio_detached < 1.0 - eps_low) & (advantages < 0)
+    high = (ratio_detached > 1.0 + eps_high) & (advantages > 0)
+    bound = torch.where(high, 1.0 + eps_high, 1.0 - eps_low).to(ratio.dtype)
+    loss = -torch.where(low | high, bound * advantages, ratio * advantages)
     return loss, low, high
 
 
