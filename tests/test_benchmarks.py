@@ -24,6 +24,7 @@ def _run(*args, timeout=600):
     ("step_breakdown.py", ["--batch", "8", "--completion-length", "8", "--steps", "4", "--repeats", "1"],
      "step_breakdown"),
     ("memory.py", ["--batch", "8", "--completion-length", "8", "--repeats", "1"], "memory"),
+    ("noise_floor.py", ["--batch", "8", "--completion-length", "8", "--rollouts", "1"], "noise_floor"),
     ("routing_replay_overhead.py", ["--hidden", "64", "--experts", "8", "--expert-width", "32", "--tokens", "256",
                                     "--seq-len", "64", "--repeats", "2"], "routing_replay_overhead"),
 ])
