@@ -67,3 +67,24 @@ def test_grpo_config_token_level_is_accepted_for_gspo(tmp_path, tokenizer):
     gspo accepts it (the ratio is per sequence by construction) rather than failing every GRPOConfig user."""
     cfg = tiny_config(tmp_path, config_cls=GRPOConfig, loss_type="gspo")
     validate_gspo_args(cfg)
+
+
+class _TokenCreditTrainer(GSPOTrainer):
+    def token_advantages(self, inputs, mask):
+        return super().token_advantages(inputs, mask) * mask
+
+
+@pytest.mark.parametrize("loss_type", ["gspo", "grpo", "dapo"])
+def test_token_advantages_override_needs_gspo_token(loss_type):
+    """An override only gspo_token calls would be silently ignored under any other loss type: refused before the
+    model is loaded (the path does not exist, so reaching it would raise OSError instead)."""
+    cfg = GSPOConfig(**CPU, loss_type=loss_type)
+    with pytest.raises(ValueError, match=r"`loss_type`: _TokenCreditTrainer overrides `token_advantages`.*"
+                                         r"Fix: set loss_type='gspo_token'"):
+        _TokenCreditTrainer("/nonexistent/model", digit_reward, args=cfg, train_dataset=toy_dataset())
+
+
+def test_token_advantages_override_accepted_under_gspo_token():
+    cfg = GSPOConfig(**CPU, loss_type="gspo_token")
+    with pytest.raises(OSError):  # passes our check and reaches model loading
+        _TokenCreditTrainer("/nonexistent/model", digit_reward, args=cfg, train_dataset=toy_dataset())

@@ -45,6 +45,7 @@ class GSPOTrainer(GRPOTrainer):
             args = GSPOConfig(output_dir=f"{str(name).rstrip('/').split('/')[-1] or 'model'}-GSPO")
         # Validate before TRL loads models or datasets: a bad option should cost nothing.
         validate_gspo_args(args)
+        _refuse_unused_token_advantages(type(self), args)
         if args.loss_type in GSPO_LOSS_TYPES:
             _warn_about_setup(args)
         super().__init__(model, reward_funcs, args, *positional, **kwargs)
@@ -313,6 +314,18 @@ def masked_token_mean(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
 
 
 _warned: set[str] = set()
+
+
+def _refuse_unused_token_advantages(trainer_cls, args) -> None:
+    """Only `loss_type="gspo_token"` calls `token_advantages`; an override under any other loss type would be
+    silently ignored (training would run on per-sequence advantages), so refuse it at construction."""
+    if trainer_cls.token_advantages is GSPOTrainer.token_advantages or args.loss_type == "gspo_token":
+        return
+    raise ValueError(
+        f"`loss_type`: {trainer_cls.__name__} overrides `token_advantages`, which only loss_type='gspo_token' "
+        f"calls; with loss_type={args.loss_type!r} the override would be silently ignored. "
+        "Fix: set loss_type='gspo_token' (or remove the override)."
+    )
 
 
 def _warn_once(key: str, message: str) -> None:
