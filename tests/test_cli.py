@@ -135,6 +135,7 @@ def test_builtin_cold_start_under_deepspeed_fails_before_launch(tmp_path, capsys
     import accelerate.commands.launch
 
     monkeypatch.setattr(accelerate.commands.launch, "launch_command", lambda args: pytest.fail("launched"))
+    monkeypatch.setattr("trl_gspo.launching.run_forwarding_signals", lambda cmd, **kw: pytest.fail("launched"))
     recipe = BASE.format(out=tmp_path / "o") + "sft_steps: 5\n"
     assert main(["--config", _recipe(tmp_path, recipe), *launcher]) == 2
     assert "`sft_steps` (the built-in SFT cold start) cannot run under DeepSpeed" in capsys.readouterr().err

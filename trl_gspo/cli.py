@@ -185,18 +185,19 @@ def main(argv: list[str] | None = None) -> int:
         print("trl-gspo: recipe is valid (dry run, nothing trained).")
         return 0
 
-    from accelerate.commands.launch import launch_command, launch_command_parser
+    from accelerate.commands.launch import launch_command_parser
 
-    accelerate_args = launch_command_parser().parse_args(
-        launch_args + ["--module", TRAINING_MODULE] + _without(argv, cli_launch_tokens)
-    )
+    accelerate_tokens = launch_args + ["--module", TRAINING_MODULE] + _without(argv, cli_launch_tokens)
+    accelerate_args = launch_command_parser().parse_args(accelerate_tokens)
     if script_args.sft_steps > 0 and _launches_deepspeed(accelerate_args):
         from .train import SFT_UNDER_DEEPSPEED
 
         print(f"trl-gspo: error: {SFT_UNDER_DEEPSPEED}", file=sys.stderr)
         return 2
-    launch_command(accelerate_args)
-    return 0
+    from .launching import accelerate_launch_command, run_forwarding_signals
+
+    # A child process group: SIGINT/SIGTERM to trl-gspo stop every training process too (trl_gspo/launching.py).
+    return run_forwarding_signals(accelerate_launch_command(accelerate_tokens))
 
 
 def _launches_deepspeed(accelerate_args) -> bool:
