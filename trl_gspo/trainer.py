@@ -4,6 +4,7 @@ logging, distributed training, checkpoints) is TRL's own."""
 from __future__ import annotations
 
 import inspect
+import json
 import logging
 import os
 
@@ -11,6 +12,7 @@ import torch
 from transformers import PreTrainedModel
 from trl import GRPOTrainer
 
+from .checkpoints import load_rollout_buffer, resolve_resume_from_checkpoint, rollout_buffer_path, save_rollout_buffer
 from .config import GSPO_LOSS_TYPES, PAPER_EPSILON_HIGH, PAPER_EPSILON_LOW, GSPOConfig, validate_gspo_args
 from .losses import gspo_loss, gspo_token_loss, k3_kl, masked_sequence_mean, sequence_log_ratio
 
@@ -137,7 +139,53 @@ class GSPOTrainer(GRPOTrainer):
         self._enter_routing_replay(inputs, attention_mask)
         return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
 
-    # ------------------------------------------------------------------ checkpoints
+    # ------------------------------------------------------------------ checkpoints (see trl_gspo/checkpoints.py)
+    def train(self, resume_from_checkpoint=None, *args, **kwargs):
+        """`Trainer.train`, where `resume_from_checkpoint` may also be `"true"` / `"latest"` (the newest *complete*
+        checkpoint in `output_dir`; incomplete ones are skipped with a warning naming each), and a resume in the
+        middle of a rollout batch continues on the saved rollout batch, so it trains exactly as the uninterrupted
+        run."""
+        checkpoint = resolve_resume_from_checkpoint(
+            resume_from_checkpoint, self.args.output_dir,
+            warn=logger.warning if self.accelerator.is_main_process else (lambda message: None),
+        )
+        if checkpoint is not None:
+            self._restore_rollout_buffer(checkpoint)
+        return super().train(checkpoint, *args, **kwargs)
+
+    def _rollout_layout(self) -> dict:
+        return dict(world_size=self.args.world_size, steps_per_generation=self.args.steps_per_generation,
+                    num_iterations=self.num_iterations, per_device_train_batch_size=self.args.per_device_train_batch_size,
+                    gradient_accumulation_steps=self.args.gradient_accumulation_steps)
+
+    def _restore_rollout_buffer(self, checkpoint: str) -> None:
+        restored = load_rollout_buffer(rollout_buffer_path(checkpoint, self.args.process_index),
+                                       self._rollout_layout(), self.accelerator.device)
+        if not isinstance(restored, str):
+            self._step, self._buffered_inputs = restored  # TRL's micro-step counter and its rollout mini-batches
+            return
+        with open(os.path.join(checkpoint, "trainer_state.json")) as handle:
+            micro_steps = json.load(handle)["global_step"] * self.args.gradient_accumulation_steps
+        if micro_steps % (self.args.steps_per_generation * self.num_iterations) != 0:
+            _warn_once("mid_rollout_resume", f"resuming from {checkpoint}, in the middle of a rollout batch, without "
+                       f"its saved rollout batch ({restored}): a new rollout batch is generated, so training "
+                       "continues differently from the uninterrupted run.")
+
+    def _save_rng_state(self, output_dir: str) -> None:
+        super()._save_rng_state(output_dir)
+        save_rollout_buffer(rollout_buffer_path(output_dir, self.args.process_index), self._step,
+                            self._buffered_inputs, self._rollout_layout())
+        # trainer_state.json, written next by rank 0, marks the checkpoint complete: every rank's files come first.
+        self.accelerator.wait_for_everyone()
+
+    def _save_checkpoint(self, model, trial) -> None:
+        # Re-saving over a partial checkpoint of the same step: drop its old completion mark first.
+        stale = os.path.join(self._get_output_dir(trial=trial), f"checkpoint-{self.state.global_step}",
+                             "trainer_state.json")
+        if self.args.should_save and os.path.isfile(stale):
+            os.remove(stale)
+        super()._save_checkpoint(model, trial)
+
     def _load_from_checkpoint(self, resume_from_checkpoint, model=None):
         """Resume model weights through `from_pretrained`, which applies transformers' weight conversions.
 

@@ -1,0 +1,170 @@
+"""Checkpoints that survive a kill: which `checkpoint-N` directories are complete, `resume_from_checkpoint: true /
+latest`, and the buffered rollout batch that makes a resume in the middle of a rollout batch exact.
+
+A checkpoint is written file by file (model, optimizer, scheduler, RNG states, then `trainer_state.json` last, see
+`transformers.Trainer._save_checkpoint`). A SIGKILL in between leaves a directory without a valid
+`trainer_state.json`, or with a truncated file; `Trainer` would still pick it as the latest and fail to load it.
+`GSPOTrainer` makes `trainer_state.json` the completion mark for every rank (all ranks finish their files before
+rank 0 writes it) and resumes from the newest complete checkpoint, naming each one it skips.
+
+Knows no trainer: pure file-system functions plus the rollout-buffer file format.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+
+logger = logging.getLogger(__name__)
+
+TRAINER_STATE = "trainer_state.json"
+# Weights a complete checkpoint holds, one of (full model, sharded full model, PEFT adapter, DeepSpeed/FSDP dirs).
+WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin",
+                "pytorch_model.bin.index.json", "adapter_model.safetensors", "adapter_model.bin")
+LATEST_VALUES = ("true", "latest")
+ROLLOUT_BUFFER = "rollout_buffer_{rank}.pt"
+_CHECKPOINT_DIR = re.compile(r"^checkpoint-(\d+)$")
+
+
+class IncompleteCheckpointError(ValueError):
+    """`resume_from_checkpoint` names a checkpoint that cannot be resumed; the message names the fix."""
+
+
+def checkpoint_problem(path: str) -> str | None:
+    """Why the checkpoint directory `path` is not complete, or `None` when it is.
+
+    Complete means: `trainer_state.json` parses (it is written last), no file is empty (a write cut short), model
+    weights are present, and every shard a weights index lists exists.
+    """
+    if not os.path.isdir(path):
+        return "it is not a directory"
+    state = os.path.join(path, TRAINER_STATE)
+    if not os.path.isfile(state):
+        return f"no {TRAINER_STATE} (the checkpoint write did not finish)"
+    try:
+        with open(state) as handle:
+            json.load(handle)
+    except (OSError, ValueError):
+        return f"{TRAINER_STATE} is not valid JSON (the checkpoint write did not finish)"
+    for root, _dirs, files in os.walk(path):
+        for name in files:
+            file = os.path.join(root, name)
+            if os.path.isfile(file) and not os.path.islink(file) and os.path.getsize(file) == 0:
+                return f"{os.path.relpath(file, path)} is empty (0 bytes)"
+    names = set(os.listdir(path))
+    has_sharded_engine_state = any(name.startswith(("global_step", "pytorch_model_fsdp")) for name in names)
+    if not names & set(WEIGHT_FILES) and not has_sharded_engine_state:
+        return f"no model weights (none of {', '.join(WEIGHT_FILES)})"
+    for index in ("model.safetensors.index.json", "pytorch_model.bin.index.json"):
+        if index in names:
+            try:
+                with open(os.path.join(path, index)) as handle:
+                    shards = set(json.load(handle)["weight_map"].values())
+            except (OSError, ValueError, KeyError):
+                return f"{index} is not a valid weights index"
+            missing = sorted(shard for shard in shards if shard not in names)
+            if missing:
+                return f"weight shards missing: {', '.join(missing[:3])}"
+    return None
+
+
+def list_checkpoints(output_dir: str) -> list[str]:
+    """`checkpoint-N` directories of `output_dir`, oldest (smallest N) first."""
+    if not os.path.isdir(output_dir):
+        return []
+    found = []
+    for name in os.listdir(output_dir):
+        match = _CHECKPOINT_DIR.match(name)
+        if match and os.path.isdir(os.path.join(output_dir, name)):
+            found.append((int(match.group(1)), os.path.join(output_dir, name)))
+    return [path for _, path in sorted(found)]
+
+
+def latest_complete_checkpoint(output_dir: str) -> tuple[str | None, list[tuple[str, str]]]:
+    """The newest complete checkpoint of `output_dir` (or `None`), and `(path, problem)` for each newer one skipped."""
+    skipped = []
+    for path in reversed(list_checkpoints(output_dir)):
+        problem = checkpoint_problem(path)
+        if problem is None:
+            return path, skipped
+        skipped.append((path, problem))
+    return None, skipped
+
+
+def resolve_resume_from_checkpoint(value, output_dir: str, warn=logger.warning) -> str | None:
+    """The checkpoint directory `Trainer.train(resume_from_checkpoint=value)` should load.
+
+    `value` may be `None` / `False` / `"false"` / `""` (start fresh), `True` / `"true"` / `"latest"` (any case; the
+    newest complete checkpoint in `output_dir`, warning about each newer incomplete one it skips), or a path to a
+    checkpoint directory, which must be complete. Raises `IncompleteCheckpointError` naming the fix otherwise.
+    """
+    if value is None or value is False or (isinstance(value, str) and value.strip().lower() in ("", "false", "none")):
+        return None
+    if value is True or (isinstance(value, str) and value.strip().lower() in LATEST_VALUES):
+        latest, skipped = latest_complete_checkpoint(output_dir)
+        for path, problem in skipped:
+            warn(f"resume_from_checkpoint: skipping incomplete checkpoint {path}: {problem}.")
+        if latest is None:
+            found = f"only incomplete ones ({', '.join(p for p, _ in skipped)})" if skipped else "none"
+            raise IncompleteCheckpointError(
+                f"`resume_from_checkpoint`: no complete checkpoint-N directory in output_dir {output_dir!r} "
+                f"(found {found}). Fix: point output_dir at the run to resume, or unset resume_from_checkpoint to "
+                "start fresh."
+            )
+        return latest
+    path = os.fspath(value)
+    if not os.path.exists(path):
+        raise IncompleteCheckpointError(
+            f"`resume_from_checkpoint`: {path!r} does not exist. Fix: give a checkpoint-N directory, or `latest` for "
+            "the newest complete checkpoint in output_dir."
+        )
+    problem = checkpoint_problem(path)
+    if problem is not None:
+        latest, _ = latest_complete_checkpoint(os.path.dirname(os.path.abspath(path)))
+        hint = f" ({latest} is the newest complete one)" if latest else ""
+        raise IncompleteCheckpointError(
+            f"`resume_from_checkpoint`: {path} is incomplete: {problem}. Fix: resume from `latest`, which skips "
+            f"incomplete checkpoints{hint}."
+        )
+    return path
+
+
+def rollout_buffer_path(checkpoint: str, rank: int) -> str:
+    return os.path.join(checkpoint, ROLLOUT_BUFFER.format(rank=rank))
+
+
+def _map_tensors(value, fn):
+    import torch
+
+    if isinstance(value, torch.Tensor):
+        return fn(value)
+    if isinstance(value, dict):
+        return {key: _map_tensors(item, fn) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(_map_tensors(item, fn) for item in value)
+    return value
+
+
+def save_rollout_buffer(path: str, step: int, buffered_inputs, layout: dict) -> None:
+    """Write one rank's buffered rollout batch (TRL's `_buffered_inputs`, the mini-batches of the current rollout
+    batch) and its micro-step counter (TRL's `_step`), so a resume in the middle of a rollout batch trains on the
+    same mini-batches as the uninterrupted run instead of generating a new rollout batch."""
+    import torch
+
+    payload = {"step": step, "layout": layout,
+               "buffered_inputs": _map_tensors(buffered_inputs, lambda t: t.detach().cpu())}
+    torch.save(payload, path)
+
+
+def load_rollout_buffer(path: str, layout: dict, device) -> tuple[int, list] | str:
+    """`(step, buffered_inputs)` saved by `save_rollout_buffer`, on `device`; or, when it cannot be used, the reason."""
+    import torch
+
+    if not os.path.isfile(path):
+        return f"no {os.path.basename(path)} in the checkpoint"
+    payload = torch.load(path, map_location="cpu", weights_only=True)
+    if payload.get("layout") != layout:
+        return f"it was saved with {payload.get('layout')}, this run has {layout}"
+    return payload["step"], _map_tensors(payload["buffered_inputs"], lambda t: t.to(device))
