@@ -178,3 +178,27 @@ def test_rollout_buffer_round_trip_and_layout_check(tmp_path):
     assert all(torch.equal(restored[0][k], buffer[0][k]) for k in ("prompt_ids", "advantages"))
     reason = load_rollout_buffer(str(tmp_path / "b.pt"), dict(layout, world_size=2), device="cpu")
     assert isinstance(reason, str) and "world_size" in reason
+
+
+def test_cli_resolves_resume_before_launch(tmp_path, capsys):
+    """`--resume_from_checkpoint latest` (and `true` in YAML) is checked by `trl-gspo` before any process starts."""
+    from trl_gspo.cli import main
+
+    out = tmp_path / "run"
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text(f"model_name_or_path: builtin:tiny-qwen3\ndataset_name: builtin:addition\n"
+                      f"reward_funcs: [digit_match_reward]\noutput_dir: {out}\nuse_cpu: true\nbf16: false\n"
+                      "resume_from_checkpoint: true\n")
+    assert main(["--config", str(recipe), "--dry_run", "true"]) == 2
+    assert "`resume_from_checkpoint`: no complete checkpoint-N directory" in capsys.readouterr().err
+    for step in (3, 5):
+        (out / f"checkpoint-{step}").mkdir(parents=True)
+        (out / f"checkpoint-{step}" / "model.safetensors").write_text("w")
+    (out / "checkpoint-3" / "trainer_state.json").write_text("{}")
+    assert main(["--config", str(recipe), "--resume_from_checkpoint", "latest", "--dry_run", "true"]) == 0
+    err = capsys.readouterr().err
+    assert f"warning: resume_from_checkpoint: skipping incomplete checkpoint {out / 'checkpoint-5'}" in err
+    assert f"resuming from {out / 'checkpoint-3'}" in err
+    assert main(["--config", str(recipe), "--resume_from_checkpoint", str(out / "checkpoint-5"), "--dry_run", "true"]) \
+        == 2
+    assert "checkpoint-5 is incomplete" in capsys.readouterr().err

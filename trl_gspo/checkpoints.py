@@ -168,3 +168,14 @@ def load_rollout_buffer(path: str, layout: dict, device) -> tuple[int, list] | s
     if payload.get("layout") != layout:
         return f"it was saved with {payload.get('layout')}, this run has {layout}"
     return payload["step"], _map_tensors(payload["buffered_inputs"], lambda t: t.to(device))
+
+
+def check_resume_before_launch(value, output_dir: str) -> None:
+    """Resolve `resume_from_checkpoint` before any process starts (raises `IncompleteCheckpointError` with the fix);
+    print the checkpoint that will be resumed and each incomplete one skipped."""
+    import sys
+
+    checkpoint = resolve_resume_from_checkpoint(
+        value, output_dir, warn=lambda message: print(f"trl-gspo: warning: {message}", file=sys.stderr))
+    if checkpoint is not None:
+        print(f"trl-gspo: resuming from {checkpoint}", file=sys.stderr)

@@ -176,6 +176,9 @@ def main(argv: list[str] | None = None) -> int:
         from .train import _reward_functions
 
         _reward_functions(script_args)  # unknown names or a missing verifier fail here, before any process starts
+        from .checkpoints import check_resume_before_launch
+
+        check_resume_before_launch(training_args.resume_from_checkpoint, training_args.output_dir)
     except (RecipeError, ValueError, TypeError) as err:
         print(f"trl-gspo: error: {err}", file=sys.stderr)
         return 2
