@@ -103,6 +103,15 @@ def _prepare_builtin_model(script_args, training_args, model_args):
     under_deepspeed = parse_flag_from_env("ACCELERATE_USE_DEEPSPEED") or bool(training_args.deepspeed)
     if script_args.sft_steps > 0 and under_deepspeed:
         raise RecipeError(SFT_UNDER_DEEPSPEED)
+    from .quickstart import reuse
+
+    inputs = reuse.cold_start_inputs(name, script_args, training_args.seed, state.num_processes)
+    reusable = reuse.reusable(path, inputs)
+    state.wait_for_everyone()  # every rank has looked before rank 0 may start rewriting the directory
+    if reusable:
+        if state.is_main_process:
+            print(f"[trl-gspo] reusing the prepared model in {path} (same inputs: {reuse.MARK})", flush=True)
+        return path
     tokenizer = build_tokenizer()
     build = builtin_models.build_model if name == "tiny-qwen3-moe" else builtin_models.build_dense_model
     model = build(tokenizer, seed=training_args.seed)  # the same seed gives every rank the same weights
@@ -121,8 +130,10 @@ def _prepare_builtin_model(script_args, training_args, model_args):
         if state.is_main_process:
             print(f"[trl-gspo] cold start done in {time.perf_counter() - started:.0f}s", flush=True)
     if state.is_main_process:
+        reuse.clear_mark(path)  # a kill while the files below are rewritten must not leave the old mark behind
         model.save_pretrained(path)
         tokenizer.save_pretrained(path)
+        reuse.write_mark(path, inputs)  # last: a run killed before this prepares the model again
     state.wait_for_everyone()
     return path
 
