@@ -202,3 +202,48 @@ def test_cli_resolves_resume_before_launch(tmp_path, capsys):
     assert main(["--config", str(recipe), "--resume_from_checkpoint", str(out / "checkpoint-5"), "--dry_run", "true"]) \
         == 2
     assert "checkpoint-5 is incomplete" in capsys.readouterr().err
+
+
+KILLED_DURING_SAVE = """
+import os, signal, sys
+sys.path.insert(0, {tests!r})
+import test_resume
+from conftest import *  # noqa
+from trl_gspo import GSPOTrainer
+from trl_gspo.quickstart.tokenizer import build_tokenizer
+
+KILL_AT = {kill_at}
+real_save = GSPOTrainer._save_optimizer_and_scheduler
+
+def save_then_die(self, output_dir):
+    if self.state.global_step == KILL_AT:  # the model is written; die while the optimizer state is being written
+        open(os.path.join(output_dir, "optimizer.pt"), "wb").close()
+        os.kill(os.getpid(), signal.SIGKILL)
+    real_save(self, output_dir)
+
+GSPOTrainer._save_optimizer_and_scheduler = save_then_die
+test_resume._trainer({out!r}, build_tokenizer()).train()
+"""
+
+
+@pytest.mark.slow
+def test_sigkill_during_a_checkpoint_write_then_resume_latest(tmp_path, tokenizer, uninterrupted, caplog):
+    """A real SIGKILL in the middle of writing checkpoint-5; `resume_from_checkpoint="latest"` then skips it, resumes
+    from checkpoint-4 and ends with the uninterrupted run's weights."""
+    import subprocess
+    import sys
+
+    _, reference = uninterrupted
+    out = tmp_path / "run"
+    tests = os.path.dirname(os.path.abspath(__file__))
+    script = KILLED_DURING_SAVE.format(tests=tests, kill_at=MAX_STEPS - 1, out=str(out))
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert result.returncode == -9, result.stderr[-3000:]
+    partial = out / f"checkpoint-{MAX_STEPS - 1}"
+    assert (partial / "model.safetensors").is_file() and (partial / "optimizer.pt").stat().st_size == 0
+    assert checkpoint_problem(str(partial)) is not None
+    trainer = _trainer(out, tokenizer)
+    with caplog.at_level(logging.WARNING, logger="trl_gspo.trainer"):
+        trainer.train(resume_from_checkpoint="latest")
+    assert f"skipping incomplete checkpoint {partial}" in caplog.text
+    assert _max_diff(_weights(trainer), reference) == 0.0
