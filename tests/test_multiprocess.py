@@ -153,3 +153,20 @@ def test_cli_quickstart_with_cold_start_on_two_ddp_processes(tmp_path):
     state = json.loads((tmp_path / "out" / "trainer_state.json").read_text())
     assert state["global_step"] == 4
     assert (tmp_path / "out" / "model.safetensors").is_file()
+
+
+def test_two_process_resume_in_the_middle_of_a_rollout_batch_is_exact(tmp_path):
+    """Each rank saves its own buffered rollout batch; all ranks finish their files before rank 0 marks the
+    checkpoint complete. Resuming after step 1 (each rollout batch serves steps 1-2, 3-4: `num_iterations=2`) must
+    continue exactly like the uninterrupted run."""
+    ddp = _two_processes("ddp")
+    full = _launch(tmp_path / "full", ddp, "--loss-type", "gspo", "--max-steps", "4", "--save-steps", "1")
+    checkpoint = tmp_path / "full" / "checkpoint-1"
+    assert {p.name for p in checkpoint.glob("rollout_buffer_*.pt")} == {"rollout_buffer_0.pt", "rollout_buffer_1.pt"}
+    resumed_dir = tmp_path / "resumed"
+    shutil.copytree(checkpoint, resumed_dir / "checkpoint-1")
+    resumed = _launch(resumed_dir, ddp, "--loss-type", "gspo", "--max-steps", "4", "--resume")
+    assert resumed["step"] == full["step"] == [1, 2, 3, 4]
+    assert resumed["loss"][1:] == full["loss"][1:]
+    assert resumed["grad_norm"][1:] == full["grad_norm"][1:]
+    assert resumed["checksum"] == full["checksum"]
