@@ -76,7 +76,9 @@ def test_mid_rollout_resume_without_the_saved_rollout_batch_diverges(tmp_path, t
     source, reference = uninterrupted
     with caplog.at_level(logging.WARNING, logger="trl_gspo.trainer"):
         trainer = _resume_into(tmp_path, source, MID_ROLLOUT, tokenizer, drop_buffer=True)
-    assert _max_diff(_weights(trainer), reference) > 1e-4
+    difference = _max_diff(_weights(trainer), reference)
+    print(f"max weight difference, mid-rollout resume without the saved rollout batch: {difference:.4g}")
+    assert difference > 1e-4
     assert "in the middle of a rollout batch" in caplog.text
 
 
