@@ -5,7 +5,7 @@ import torch
 import torch.nn.functional as F
 import transformers
 
-from trl_gspo.routing import RoutingReplay, RoutingReplayError, find_routers
+from trl_gspo.routing import RoutingReplay, RoutingReplayError, find_routers, route_changes
 
 COMMON = dict(vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
               max_position_embeddings=64, pad_token_id=0)
@@ -481,3 +481,50 @@ def test_aux_loss_under_replay_balances_the_natural_choices():
     on_replayed = _reference_load_balancing(logits, replayed, mask, rr.num_experts)
     torch.testing.assert_close(out.aux_loss.double(), on_natural, rtol=1e-5, atol=1e-7)
     assert float(rr.drift.max()) > 0 and not torch.isclose(on_natural, on_replayed)
+
+
+# ---------------------------------------------------------------- route_changes
+def _reference_route_changes(a, b):
+    """Per token and layer, from Python sets: did the chosen experts differ?"""
+    batch, length, layers, _ = a.shape
+    return torch.tensor([[[set(a[i, t, l].tolist()) != set(b[i, t, l].tolist()) for l in range(layers)]
+                          for t in range(length)] for i in range(batch)])
+
+
+def test_route_changes_compares_expert_sets_per_token_and_layer():
+    g = torch.Generator().manual_seed(0)
+    # distinct experts per (token, layer), as a router's top-k gives: a random permutation's first k
+    a = torch.rand(3, 7, 4, 16, generator=g).argsort(-1)[..., :4].to(torch.uint8)
+    shuffled = a.gather(-1, torch.rand(a.shape, generator=g).argsort(-1))  # same sets, other order
+    assert not torch.equal(shuffled, a)
+    assert not route_changes(a, shuffled).any()
+    assert not route_changes(a, shuffled, per_layer=True).any()
+
+    b = shuffled.clone()
+    b[0, 2, 1, 0] = next(e for e in range(16) if e not in a[0, 2, 1].tolist())  # one expert swapped in layer 1
+    b[2, 5, 3] = torch.rand(16, generator=g).argsort()[:4]  # a fresh random set (may or may not differ)
+    b[1, 6] = torch.rand(4, 16, generator=g).argsort(-1)[:, :4]
+    expected = _reference_route_changes(a, b)
+    assert expected[0, 2, 1] and expected.sum() >= 2
+    assert torch.equal(route_changes(a, b, per_layer=True), expected)
+    assert torch.equal(route_changes(a, b), expected.any(-1))
+    assert route_changes(a, b).dtype == torch.bool and route_changes(a, b).shape == (3, 7)
+    with pytest.raises(RoutingReplayError, match="same inputs"):
+        route_changes(a, b[:, :5])
+
+
+def test_route_changes_agrees_with_replay_drift_on_a_model():
+    model = _build("qwen3_moe")
+    ids, mask = _batch()
+    rr = RoutingReplay(model)
+    with torch.no_grad(), rr.record() as before:
+        model(input_ids=ids, attention_mask=mask)
+    _perturb(model, scale=0.02)
+    with torch.no_grad():
+        with rr.record() as after:
+            model(input_ids=ids, attention_mask=mask)
+        with rr.replay(before.indices):  # replay's own per-layer drift: natural (after) vs recorded (before)
+            model(input_ids=ids, attention_mask=mask)
+    changed = route_changes(before.indices, after.indices, per_layer=True)
+    assert 0 < changed.float().mean() < 1
+    torch.testing.assert_close(changed.float().mean((0, 1)), rr.drift, rtol=0, atol=1e-6)

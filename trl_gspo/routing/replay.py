@@ -23,7 +23,7 @@ import torch
 
 from .formulas import CANDIDATES, KNOWN_ROUTERS, TRIPLE, UNSUPPORTED_ROUTERS, GateFormula, OutputLayout, reproduces
 
-__all__ = ["RoutingReplay", "Recording", "RoutingReplayError", "drift_statistics", "find_routers"]
+__all__ = ["RoutingReplay", "Recording", "RoutingReplayError", "drift_statistics", "find_routers", "route_changes"]
 
 
 def drift_statistics(token_counts: torch.Tensor) -> tuple[torch.Tensor, float]:
@@ -31,6 +31,27 @@ def drift_statistics(token_counts: torch.Tensor) -> tuple[torch.Tensor, float]:
     Counts add up across micro-batches and ranks; fractions do not, so reduce counts first."""
     drifted, overridden, counted = token_counts.double().unbind(-1)
     return (drifted / counted.clamp(min=1)).float(), float(overridden.sum() / counted.sum().clamp(min=1))
+
+
+def route_changes(indices: torch.Tensor, other: torch.Tensor, per_layer: bool = False) -> torch.Tensor:
+    """Which tokens were routed to a different set of experts in two recordings of the same inputs.
+
+    Args:
+        indices, other: `[batch, seq_len, moe_layers, top_k]` expert indices (e.g. `Recording.indices` from the
+            old-policy pass and from the training pass). The order of the k experts within a token is ignored:
+            only the set counts, as it is the set that decides which experts run.
+        per_layer: return `[batch, seq_len, moe_layers]` (changed in that layer) instead of `[batch, seq_len]`
+            (changed in at least one layer).
+
+    Returns a bool tensor. Its mean over real tokens is the routing drift between the two passes.
+    """
+    if indices.dim() != 4 or indices.shape != other.shape:
+        raise RoutingReplayError(
+            f"route_changes needs two recordings of the same inputs, each [batch, seq_len, moe_layers, top_k]; got "
+            f"{tuple(indices.shape)} and {tuple(other.shape)}. Fix: record both passes on identical (padded) inputs."
+        )
+    changed = (indices.long().sort(-1).values != other.to(indices.device).long().sort(-1).values).any(-1)
+    return changed if per_layer else changed.any(-1)
 
 
 class RoutingReplayError(RuntimeError):
