@@ -53,6 +53,10 @@ def test_bad_options_raise_naming_the_option(options, option_name):
         GSPOConfig(**CPU, **options)
 
 
+def test_adaptive_entropy_is_accepted_for_gspo_types():
+    assert GSPOConfig(**CPU, use_adaptive_entropy=True).use_adaptive_entropy
+
+
 def test_delta_above_the_band_is_accepted():
     assert GSPOConfig(**CPU, delta=1.002).delta == 1.002
     assert GSPOConfig(**CPU, loss_type="grpo", delta=1.2).delta == 1.2  # TRL's own semantics for TRL loss types

@@ -22,7 +22,14 @@ import math
 import pytest
 import torch
 
-from trl_gspo.losses import _clipped_surrogate, gspo_loss, gspo_token_loss, k3_kl
+from trl_gspo.losses import (
+    _clipped_surrogate,
+    adaptive_entropy_coef,
+    applied_entropy_coef,
+    gspo_loss,
+    gspo_token_loss,
+    k3_kl,
+)
 
 EPS_LOW = 3e-4
 EPS_HIGH = 4e-4
@@ -864,3 +871,23 @@ def test_delta_inside_or_below_the_band_raises(fn, delta):
     logps, old, adv, mask = _valid_inputs()
     with pytest.raises(ValueError, match="delta must be > 1 \\+ eps_high"):
         fn(logps, old, adv, mask, delta=delta)
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Entropy bonus coefficient (TRL's static and adaptive control, Skywork-OR1)
+# --------------------------------------------------------------------------------------------------------------
+
+
+def test_applied_entropy_coef():
+    assert applied_entropy_coef(0.01, float("inf"), 0.2, adaptive=False) == 0.01  # static: always applied
+    assert applied_entropy_coef(0.01, float("inf"), 0.2, adaptive=True) == 0.0  # no measurement yet
+    assert applied_entropy_coef(0.01, 0.2, 0.2, adaptive=True) == 0.01  # at the target: applied
+    assert applied_entropy_coef(0.01, 0.3, 0.2, adaptive=True) == 0.0  # above the target: off
+
+
+def test_adaptive_entropy_coef_moves_by_step_within_bounds():
+    kw = dict(target=0.2, step=0.005, coef_min=0.0, coef_max=0.012)
+    assert adaptive_entropy_coef(0.01, 0.1, **kw) == pytest.approx(0.012)  # below target: up, capped at max
+    assert adaptive_entropy_coef(0.0, 0.2, **kw) == pytest.approx(0.005)  # at target: up
+    assert adaptive_entropy_coef(0.01, 0.5, **kw) == pytest.approx(0.005)  # above target: down
+    assert adaptive_entropy_coef(0.003, 0.5, **kw) == 0.0  # floored at min

@@ -166,9 +166,3 @@ def validate_gspo_args(args: GRPOConfig) -> None:
             f"(> 1 + epsilon_high = {1.0 + epsilon_high}), got {args.delta}.",
             f"set delta > {1.0 + epsilon_high} (e.g. {round(1.0 + 4 * epsilon_high, 6)}), or unset it.",
         )
-    if args.use_adaptive_entropy:
-        raise _error(
-            "use_adaptive_entropy",
-            "the adaptive entropy controller is only implemented inside TRL's own losses.",
-            "use a fixed `entropy_coef`, or a TRL loss type.",
-        )

@@ -24,6 +24,8 @@ __all__ = [
     "k3_kl",
     "masked_sequence_mean",
     "masked_token_mean",
+    "applied_entropy_coef",
+    "adaptive_entropy_coef",
 ]
 
 
@@ -284,6 +286,28 @@ def gspo_token_loss(
         high_clipped=high & valid,
         delta_clipped=capped & valid,
     )
+
+
+def applied_entropy_coef(coef: float, last_entropy: float, target: float, adaptive: bool) -> float:
+    """Coefficient of the entropy bonus ``L = L_policy - coef * H`` for the current optimizer step.
+
+    A fixed ``coef`` always applies. The adaptive controller (Skywork-OR1, arXiv 2505.22312, as TRL's
+    ``use_adaptive_entropy`` runs it) applies it only while the entropy measured at the end of the previous
+    optimizer step is at or below ``target`` (``last_entropy = inf`` before the first measurement: no bonus).
+    """
+    if not adaptive:
+        return coef
+    return coef if last_entropy <= target else 0.0
+
+
+def adaptive_entropy_coef(coef: float, entropy: float, target: float, step: float, coef_min: float,
+                          coef_max: float) -> float:
+    """Next coefficient of the adaptive entropy controller after an optimizer step whose mean token entropy over
+    all ranks was ``entropy``: ``min(coef + step, coef_max)`` if ``entropy <= target`` (entropy collapsing: push
+    harder), else ``max(coef - step, coef_min)``."""
+    if entropy <= target:
+        return min(coef + step, coef_max)
+    return max(coef - step, coef_min)
 
 
 def k3_kl(logps: torch.Tensor, ref_logps: torch.Tensor) -> torch.Tensor:

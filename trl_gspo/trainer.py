@@ -14,7 +14,16 @@ from trl import GRPOTrainer
 
 from .checkpoints import load_rollout_buffer, resolve_resume_from_checkpoint, rollout_buffer_path, save_rollout_buffer
 from .config import GSPO_LOSS_TYPES, PAPER_EPSILON_HIGH, PAPER_EPSILON_LOW, GSPOConfig, validate_gspo_args
-from .losses import gspo_loss, gspo_token_loss, k3_kl, masked_sequence_mean, masked_token_mean, sequence_log_ratio
+from .losses import (
+    adaptive_entropy_coef,
+    applied_entropy_coef,
+    gspo_loss,
+    gspo_token_loss,
+    k3_kl,
+    masked_sequence_mean,
+    masked_token_mean,
+    sequence_log_ratio,
+)
 
 logger = logging.get_logger(__name__)  # transformers' logger: adds `warning_once`
 
@@ -287,7 +296,13 @@ class GSPOTrainer(GRPOTrainer):
         loss = policy_loss / accumulation
         if self._entropy_bonus_enabled:  # L = L_policy - coef * H, H the mean entropy of the trained tokens
             entropy_mask_or_all = mask if entropy_mask is None else mask * entropy_mask
-            loss = loss - self.entropy_coef * masked_token_mean(entropies, entropy_mask_or_all) / accumulation
+            coef = applied_entropy_coef(self.entropy_coef, self._last_world_entropy, self.args.entropy_target,
+                                        self.use_adaptive_entropy)
+            loss = loss - coef * masked_token_mean(entropies, entropy_mask_or_all) / accumulation
+            if self.use_adaptive_entropy and mode == "train":
+                self._update_entropy_controller(entropies, entropy_mask_or_all)
+            if mode == "train" and self.accelerator.sync_gradients:  # TRL's metric, once per optimizer step
+                self._metrics[mode]["entropy_coef"].append(self.entropy_coef)
         if self.aux_loss_enabled:
             loss = loss + self.router_aux_loss_coef * aux_loss / accumulation
             self._metrics[mode]["aux_loss"].append(self.accelerator.gather(aux_loss.detach()).mean().item())
@@ -295,6 +310,22 @@ class GSPOTrainer(GRPOTrainer):
         self._log_gspo_metrics(mode, out, mask, entropies, policy_loss.detach(),
                                per_token_kl if self.beta != 0.0 else None)
         return loss
+
+    def _update_entropy_controller(self, entropies, mask):
+        """TRL's adaptive entropy controller state (`entropy_coef`, `_last_world_entropy`, saved with checkpoints by
+        TRL): sum entropy and token counts over the micro-batches of an accumulation window, then at the optimizer
+        step take the mean over all ranks' tokens and move the coefficient for the next step."""
+        stats = torch.stack([(entropies * mask).sum(), mask.sum()]).detach().float()
+        window = self._entropy_window_stats
+        self._entropy_window_stats = stats if window is None else window + stats
+        if not self.accelerator.sync_gradients:
+            return
+        totals = self.accelerator.reduce(self._entropy_window_stats, reduction="sum")
+        entropy = (totals[0] / totals[1].clamp(min=1.0)).item()  # one sync per optimizer step
+        args = self.args
+        self.entropy_coef = adaptive_entropy_coef(self.entropy_coef, entropy, args.entropy_target,
+                                                  args.entropy_coef_delta, args.entropy_coef_min, args.entropy_coef_max)
+        self._last_world_entropy, self._entropy_window_stats = entropy, None
 
     def _off_policy_keep(self, inputs, logps, old_logps, mask):
         """TRL's off-policy sequence mask (DeepSeek-V3.2), `(B, 1)`: drop negative-advantage sequences whose
