@@ -87,7 +87,12 @@ def _fake_batch(tokenizer, batch=6, prompt_len=4, completion_len=7, seed=0, voca
     }
 
 
-def _with_real_old_logps(trainer, inputs, scale):
+OFFSETS = (1.0, -0.1, 0.1, 0.0, -1.0, 0.05)
+# Sequence 1 (advantage -0.5) gets s = exp(2e-3) above delta = 1.001: two-sided clipping binds there.
+DELTA_OFFSETS = (1.0, 2.0, 0.1, 0.0, -1.0, 0.05)
+
+
+def _with_real_old_logps(trainer, inputs, scale, offsets=OFFSETS):
     """Old log-probs = the model's own minus a per-sequence offset, so log s_i = offset_i: sequences 0 and 4
     land outside the band on the side where their advantage makes the clip bind, the others inside."""
     with torch.no_grad():
@@ -99,7 +104,7 @@ def _with_real_old_logps(trainer, inputs, scale):
         )
     g = torch.Generator().manual_seed(3)
     inputs = dict(inputs)
-    offsets = scale * torch.tensor([1.0, -0.1, 0.1, 0.0, -1.0, 0.05])[: logps.size(0), None]
+    offsets = scale * torch.tensor(offsets)[: logps.size(0), None]
     inputs["old_per_token_logps"] = logps - offsets
     inputs["ref_per_token_logps"] = logps + 0.05 * torch.randn(logps.shape, generator=g)
     return inputs
@@ -113,6 +118,7 @@ FEATURES = {
     "top_entropy": {"top_entropy_quantile": 0.5},
     "entropy_bonus": {"entropy_coef": 0.01},
     "mask_truncated": {"mask_truncated_completions": True},
+    "delta": {"delta": 1.001},
 }
 
 
@@ -133,9 +139,10 @@ def trainer_pair(tmp_path_factory, tokenizer):
 def _configure(trainer, **options):
     args = trainer.args
     for name in ("beta", "off_policy_mask_threshold", "top_entropy_quantile", "entropy_coef",
-                 "use_bias_correction_kl", "mask_truncated_completions"):
+                 "use_bias_correction_kl", "mask_truncated_completions", "delta"):
         default = {"beta": 0.0, "off_policy_mask_threshold": None, "top_entropy_quantile": 1.0,
-                   "entropy_coef": 0.0, "use_bias_correction_kl": False, "mask_truncated_completions": False}[name]
+                   "entropy_coef": 0.0, "use_bias_correction_kl": False, "mask_truncated_completions": False,
+                   "delta": None}[name]
         value = options.get(name, default)
         setattr(args, name, value)
         if hasattr(trainer, name):
@@ -166,7 +173,7 @@ def test_loss_parity_with_trl_features(trainer_pair, tokenizer, feature):
         inputs["importance_sampling_ratio"] = 0.5 + torch.rand(shape, generator=g)
     for trainer in (ours, theirs):
         _configure(trainer, **options)
-    inputs = _with_real_old_logps(ours, inputs, scale=1e-3)
+    inputs = _with_real_old_logps(ours, inputs, scale=1e-3, offsets=DELTA_OFFSETS if "delta" in options else OFFSETS)
     loss, grads = _loss_and_grads(ours, inputs)
     ref_loss, ref_grads = _loss_and_grads(theirs, inputs)
     assert torch.isfinite(loss)
@@ -178,6 +185,8 @@ def test_loss_parity_with_trl_features(trainer_pair, tokenizer, feature):
     assert 0.0 < metrics["clip_ratio/region_mean"][-1] < 1.0  # ratios straddle the band: the test can tell
     if options.get("beta"):
         assert metrics["kl"][-1] > 0
+    if options.get("delta"):  # sequence 1 (1 of 22 completion tokens) are capped: the test can tell
+        assert metrics["gspo/delta_clipped_token_fraction"][-1] == pytest.approx(1 / 22)
 
 
 def test_aux_loss_is_added(trainer_pair, tokenizer):
@@ -277,9 +286,9 @@ def test_empty_completions_give_zero_gradient(trainer_pair, tokenizer):
 
 # --------------------------------------------------------------------------- warnings
 def test_grpo_config_with_gspo_warns_paper_values(tmp_path, tokenizer, caplog):
-    import trl_gspo.trainer as trainer_module
+    from transformers.utils.logging import warning_once
 
-    trainer_module._warned.clear()
+    warning_once.cache_clear()  # transformers' once-only cache: another test may have warned already
     cfg = tiny_config(tmp_path, config_cls=GRPOConfig, loss_type="gspo")
     with caplog.at_level(logging.WARNING, logger="trl_gspo.trainer"):
         trainer = GSPOTrainer(build_dense_model(tokenizer), digit_reward, args=cfg, train_dataset=toy_dataset(),
@@ -288,3 +297,16 @@ def test_grpo_config_with_gspo_warns_paper_values(tmp_path, tokenizer, caplog):
     assert "epsilon=0.2" in text and "3e-4" in text
     assert "fully on-policy" in text  # GRPOConfig's steps_per_generation defaults to gradient_accumulation_steps
     assert trainer.epsilon_low == 0.2  # the user's explicit config is honoured, only warned about
+
+
+def test_setup_warnings_are_emitted_once(tmp_path, caplog):
+    from transformers.utils.logging import warning_once
+
+    from trl_gspo.trainer import _warn_about_setup
+
+    warning_once.cache_clear()
+    cfg = tiny_config(tmp_path, config_cls=GRPOConfig, loss_type="gspo")
+    with caplog.at_level(logging.WARNING, logger="trl_gspo.trainer"):
+        _warn_about_setup(cfg)
+        _warn_about_setup(cfg)
+    assert caplog.text.count("fully on-policy") == 1 and caplog.text.count("epsilon=0.2") == 1
