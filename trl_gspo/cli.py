@@ -9,12 +9,11 @@ Recipe keys are described in `trl_gspo.recipe`. The command validates the recipe
 
 from __future__ import annotations
 
-import os
 import sys
 
 from .checkpoints import check_resume_before_launch
-from .launching import accelerate_launch_command, run_forwarding_signals
-from .recipe import (SFT_UNDER_DEEPSPEED, GSPOScriptArguments, RecipeError, describe, make_parser,  # noqa: F401
+from . import launching
+from .recipe import (GSPOScriptArguments, RecipeError, check_launch, describe, make_parser,  # noqa: F401
                      parse_recipe)
 from .rewards import resolve_rewards
 
@@ -50,6 +49,8 @@ def main(argv: list[str] | None = None) -> int:
             )
             note = "(no GPU here: validated with use_cpu=true, bf16=false; the recipe itself asks for bf16)\n"
         resolve_rewards(script_args)  # unknown names or a missing verifier fail here, before any process starts
+        note += "".join(f"{line}\n" for line in check_launch(script_args, training_args, launch_args,
+                                                             dry_run=script_args.dry_run))
         check_resume_before_launch(training_args.resume_from_checkpoint, training_args.output_dir)
     except (RecipeError, ValueError, TypeError) as err:
         print(f"trl-gspo: error: {err}", file=sys.stderr)
@@ -60,26 +61,9 @@ def main(argv: list[str] | None = None) -> int:
         print("trl-gspo: recipe is valid (dry run, nothing trained).")
         return 0
 
-    from accelerate.commands.launch import launch_command_parser
-
     accelerate_tokens = launch_args + ["--module", TRAINING_MODULE] + _without(argv, cli_launch_tokens)
-    accelerate_args = launch_command_parser().parse_args(accelerate_tokens)
-    if script_args.sft_steps > 0 and _launches_deepspeed(accelerate_args):
-        print(f"trl-gspo: error: {SFT_UNDER_DEEPSPEED}", file=sys.stderr)
-        return 2
     # A child process group: SIGINT/SIGTERM to trl-gspo stop every training process too (trl_gspo/launching.py).
-    return run_forwarding_signals(accelerate_launch_command(accelerate_tokens))
-
-
-def _launches_deepspeed(accelerate_args) -> bool:
-    if getattr(accelerate_args, "use_deepspeed", False):
-        return True
-    if not accelerate_args.config_file or not os.path.isfile(accelerate_args.config_file):
-        return False
-    import yaml
-
-    with open(accelerate_args.config_file) as handle:
-        return str((yaml.safe_load(handle) or {}).get("distributed_type", "")).upper() == "DEEPSPEED"
+    return launching.run_forwarding_signals(launching.accelerate_launch_command(accelerate_tokens))
 
 
 if __name__ == "__main__":

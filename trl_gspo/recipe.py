@@ -175,3 +175,56 @@ def load_dataset(script_args, dataset_args):
 
         return datasets.load_dataset(name, name=script_args.dataset_config, streaming=script_args.dataset_streaming)
     raise RecipeError("no dataset: set `dataset_name` (e.g. builtin:addition or a hub id) or `datasets`.")
+
+
+FSDP_WITHOUT_ACCELERATOR = (
+    "`accelerate_config`: FSDP needs a GPU (or another accelerator), and {why}: accelerate has no FSDP on CPU and "
+    "would train two CPU processes with plain data parallelism instead, or fail after loading the model (measured, "
+    "see docs/recipes.md). Fix: on CPU use recipes/accelerate/cpu_ddp.yaml, or cpu_zero3.yaml to shard the "
+    "weights; keep fsdp1/fsdp2 for GPU machines."
+)
+
+
+def has_accelerator() -> bool:
+    """A device accelerate can run FSDP on (CUDA, XPU, NPU, ...; not Apple's MPS)."""
+    import torch
+
+    return torch.accelerator.is_available() and torch.accelerator.current_accelerator().type != "mps"
+
+
+def launcher_type(launch_args: list[str]) -> str:
+    """The `distributed_type` the `accelerate launch` options select: DEEPSPEED, FSDP, MULTI_GPU, NO, ..."""
+    from accelerate.commands.launch import launch_command_parser
+
+    options = launch_command_parser().parse_args(launch_args + ["--module", "trl_gspo.train"])
+    if options.use_deepspeed:
+        return "DEEPSPEED"
+    if options.use_fsdp:
+        return "FSDP"
+    if options.config_file and os.path.isfile(options.config_file):
+        import yaml
+
+        with open(options.config_file) as handle:
+            return str((yaml.safe_load(handle) or {}).get("distributed_type", "NO")).upper()
+    return "NO"
+
+
+def check_launch(script_args, training_args, launch_args: list[str], dry_run: bool = False) -> list[str]:
+    """Refuse (`RecipeError`) a launcher the recipe cannot run on; returns notes for a dry run.
+
+    A dry run validates a GPU recipe on a machine without one, so what only the launch machine can decide (is there
+    an accelerator for FSDP) is a note there and an error at launch.
+    """
+    notes = []
+    distributed_type = launcher_type(launch_args)
+    if distributed_type == "DEEPSPEED" and script_args.sft_steps > 0:
+        raise RecipeError(SFT_UNDER_DEEPSPEED)
+    if distributed_type == "FSDP":
+        if training_args.use_cpu and has_accelerator():
+            raise RecipeError(FSDP_WITHOUT_ACCELERATOR.format(why="the recipe sets `use_cpu: true`"))
+        if not has_accelerator():
+            message = FSDP_WITHOUT_ACCELERATOR.format(why="this machine has none")
+            if not dry_run:
+                raise RecipeError(message)
+            notes.append(f"(launching here would be refused: {message})")
+    return notes

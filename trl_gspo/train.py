@@ -10,8 +10,8 @@ import os
 import sys
 import time
 
-from .recipe import (BUILTIN_MODELS, BUILTIN_PREFIX, SFT_UNDER_DEEPSPEED, RecipeError, describe, load_dataset,
-                     parse_recipe)
+from .recipe import (BUILTIN_MODELS, BUILTIN_PREFIX, FSDP_WITHOUT_ACCELERATOR, SFT_UNDER_DEEPSPEED, RecipeError,
+                     describe, load_dataset, parse_recipe)
 from .rewards import resolve_rewards
 
 
@@ -70,6 +70,18 @@ def _prepare_builtin_model(script_args, training_args, model_args):
     return path
 
 
+def check_distributed_setup(training_args) -> None:
+    """Refuse an FSDP launch that accelerate would run without FSDP: on CPU it falls back to plain data parallelism
+    (FSDP2) or fails after the model is loaded (FSDP1), for `accelerate launch -m trl_gspo.train` run by hand too."""
+    from accelerate import PartialState
+    from accelerate.utils import DistributedType, parse_flag_from_env
+
+    state = PartialState(cpu=training_args.use_cpu)
+    if parse_flag_from_env("ACCELERATE_USE_FSDP") and state.distributed_type != DistributedType.FSDP:
+        raise RecipeError(FSDP_WITHOUT_ACCELERATOR.format(
+            why=f"this process runs on {state.device} (accelerate chose {state.distributed_type.value})"))
+
+
 def run(script_args, training_args, model_args, dataset_args) -> "GSPOTrainer":  # noqa: F821
     from trl import get_peft_config, get_quantization_config
 
@@ -79,6 +91,7 @@ def run(script_args, training_args, model_args, dataset_args) -> "GSPOTrainer": 
     if script_args.sft_steps and not (script_args.dataset_name or "").startswith(BUILTIN_PREFIX):
         raise RecipeError("`sft_steps` needs a `builtin:` dataset (it trains on the task's reference answers). "
                           "Fix: set sft_steps: 0, or cold-start your model with `trl sft` first.")
+    check_distributed_setup(training_args)
     rewards = resolve_rewards(script_args)
     dataset = load_dataset(script_args, dataset_args)
 
