@@ -41,8 +41,9 @@ BAD = [
     (dict(beta=-0.1), "beta"),
     (dict(importance_sampling_level="token"), "importance_sampling_level"),
     (dict(importance_sampling_level="sentence"), "importance_sampling_level"),
-    (dict(delta=2.0), "delta"),
-    (dict(use_adaptive_entropy=True), "use_adaptive_entropy"),
+    (dict(delta=1.0004), "delta"),  # not above 1 + epsilon_high: it would cap inside the clip band
+    (dict(delta=0.5), "delta"),
+    (dict(epsilon_high=0.3, delta=1.2), "delta"),
 ]
 
 
@@ -50,6 +51,15 @@ BAD = [
 def test_bad_options_raise_naming_the_option(options, option_name):
     with pytest.raises(ValueError, match=f"`{option_name}`.*Fix:"):
         GSPOConfig(**CPU, **options)
+
+
+def test_adaptive_entropy_is_accepted_for_gspo_types():
+    assert GSPOConfig(**CPU, use_adaptive_entropy=True).use_adaptive_entropy
+
+
+def test_delta_above_the_band_is_accepted():
+    assert GSPOConfig(**CPU, delta=1.002).delta == 1.002
+    assert GSPOConfig(**CPU, loss_type="grpo", delta=1.2).delta == 1.2  # TRL's own semantics for TRL loss types
 
 
 @pytest.mark.parametrize("options,option_name", [(dict(loss_type="gsop"), "loss_type"), (dict(loss_type="gspo", epsilon=0.0), "epsilon")])

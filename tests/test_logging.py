@@ -38,9 +38,9 @@ def test_math_recipe_rewards_resolve_and_score():
     """The real-model recipes name TRL's accuracy_reward (math-verify) and think_format_reward."""
     from types import SimpleNamespace
 
-    from trl_gspo.train import _reward_functions
+    from trl_gspo.rewards import resolve_rewards
 
-    accuracy, think_format = _reward_functions(SimpleNamespace(
+    accuracy, think_format = resolve_rewards(SimpleNamespace(
         reward_model_name_or_path=None, reward_funcs=["accuracy_reward", "think_format_reward"]))
     completions = [[{"role": "assistant", "content": "<think>6*7</think> The answer is \\boxed{42}"}],
                    [{"role": "assistant", "content": "\\boxed{41}"}]]

@@ -11,6 +11,8 @@ The reference (``_ref_*`` below) is written from the equations of *Group Sequenc
 * GSPO-token (Eq. 13, 14): s_i,t = sg[s_i] pi_t / sg[pi_t], so d s_i,t / d logp_u = s_i [t == u];
   loss_i = -(1/|y_i|) sum_t min(s_i A_i,t, clip(s_i) A_i,t);
   d loss_i / d logp_t = -A_i,t s_i / |y_i| if s_i A_i,t <= clip(s_i) A_i,t else 0.
+* Two-sided clipping (``delta``, INTELLECT-2 as TRL defines it for token ratios, here on s_i): the unclipped term
+  becomes min(s_i, delta) A; its gradient is that of s_i A where s_i < delta and 0 where s_i > delta.
 """
 
 from __future__ import annotations
@@ -20,7 +22,14 @@ import math
 import pytest
 import torch
 
-from trl_gspo.losses import _clipped_surrogate, gspo_loss, gspo_token_loss, k3_kl
+from trl_gspo.losses import (
+    _clipped_surrogate,
+    adaptive_entropy_coef,
+    applied_entropy_coef,
+    gspo_loss,
+    gspo_token_loss,
+    k3_kl,
+)
 
 EPS_LOW = 3e-4
 EPS_HIGH = 4e-4
@@ -48,7 +57,14 @@ def _clip(s: float, eps_low: float, eps_high: float) -> float:
     return min(max(s, 1.0 - eps_low), 1.0 + eps_high)
 
 
-def _ref_gspo(logps, old_logps, advantages, mask, eps_low=EPS_LOW, eps_high=EPS_HIGH):
+def _unclipped(s: float, delta) -> tuple[float, float]:
+    """The unclipped ratio term and its derivative in s: s (1), or min(s, delta) with two-sided clipping."""
+    if delta is not None and s > delta:
+        return delta, 0.0
+    return s, 1.0
+
+
+def _ref_gspo(logps, old_logps, advantages, mask, eps_low=EPS_LOW, eps_high=EPS_HIGH, delta=None):
     """Returns (per_sequence_loss, d sum(loss) / d logps, log_ratio, low_clipped, high_clipped) as lists."""
     lp, old, m = _rows(logps), _rows(old_logps), mask.tolist()
     adv = advantages.detach().to(torch.float64).reshape(-1).tolist()
@@ -66,13 +82,14 @@ def _ref_gspo(logps, old_logps, advantages, mask, eps_low=EPS_LOW, eps_high=EPS_
             s = math.exp(lr)
             a = adv[i]
             c = _clip(s, eps_low, eps_high)
-            unclipped, clipped = s * a, c * a
+            u, du = _unclipped(s, delta)
+            unclipped, clipped = u * a, c * a
             losses.append(-min(unclipped, clipped))
             for t in range(T):
                 if not m[i][t]:
                     continue
                 if unclipped <= clipped:
-                    g[t] = -a * s / n
+                    g[t] = -a * du * s / n
                 low[t] = s < 1.0 - eps_low and a < 0
                 high[t] = s > 1.0 + eps_high and a > 0
         grads.append(g)
@@ -81,7 +98,7 @@ def _ref_gspo(logps, old_logps, advantages, mask, eps_low=EPS_LOW, eps_high=EPS_
     return losses, grads, log_ratios, lows, highs
 
 
-def _ref_gspo_token(logps, old_logps, advantages, mask, eps_low=EPS_LOW, eps_high=EPS_HIGH):
+def _ref_gspo_token(logps, old_logps, advantages, mask, eps_low=EPS_LOW, eps_high=EPS_HIGH, delta=None):
     """GSPO-token reference; ``advantages`` is (B,) or (B, T). Same return layout as ``_ref_gspo``."""
     lp, old, m = _rows(logps), _rows(old_logps), mask.tolist()
     B, T = len(lp), len(lp[0])
@@ -101,15 +118,16 @@ def _ref_gspo_token(logps, old_logps, advantages, mask, eps_low=EPS_LOW, eps_hig
         else:
             s = math.exp(lr)
             c = _clip(s, eps_low, eps_high)
+            u, du = _unclipped(s, delta)
             terms = []
             for t in range(T):
                 if not m[i][t]:
                     continue
                 a = adv[i][t]
-                unclipped, clipped = s * a, c * a
+                unclipped, clipped = u * a, c * a
                 terms.append(min(unclipped, clipped))
                 if unclipped <= clipped:
-                    g[t] = -a * s / n
+                    g[t] = -a * du * s / n
                 low[t] = s < 1.0 - eps_low and a < 0
                 high[t] = s > 1.0 + eps_high and a > 0
             losses.append(-math.fsum(terms) / n)
@@ -179,7 +197,7 @@ def _check_against_ref(fn, ref, logps, old, adv, mask, **kw):
     return out, grad, losses, grads
 
 
-def _ref_token_losses(logps, old_logps, advantages, mask, eps_low=EPS_LOW, eps_high=EPS_HIGH):
+def _ref_token_losses(logps, old_logps, advantages, mask, eps_low=EPS_LOW, eps_high=EPS_HIGH, delta=None):
     """(B, T) reference per-token loss: -min(s_i A_i,t, clip(s_i) A_i,t) on valid tokens, 0 elsewhere."""
     lp, old, m = _rows(logps), _rows(old_logps), mask.tolist()
     B, T = len(lp), len(lp[0])
@@ -190,7 +208,8 @@ def _ref_token_losses(logps, old_logps, advantages, mask, eps_low=EPS_LOW, eps_h
         lr, n = _seq_log_ratio(lp[i], old[i], m[i])
         s = math.exp(lr)
         c = _clip(s, eps_low, eps_high)
-        out.append([-min(s * adv[i][t], c * adv[i][t]) if m[i][t] else 0.0 for t in range(T)])
+        u = _unclipped(s, delta)[0]
+        out.append([-min(u * adv[i][t], c * adv[i][t]) if m[i][t] else 0.0 for t in range(T)])
     return out
 
 
@@ -217,7 +236,7 @@ def _check_per_token_loss(fn, out, logps, old, adv, mask, losses, **kw):
 # --------------------------------------------------------------------------------------------------------------
 
 
-def _token_surrogate_sum(lp_new, lp0, old, adv, mask, eps_low=EPS_LOW, eps_high=EPS_HIGH):
+def _token_surrogate_sum(lp_new, lp0, old, adv, mask, eps_low=EPS_LOW, eps_high=EPS_HIGH, delta=None):
     """Eq. 13/14 with the stop-gradients made explicit: s_i,t = s_i(lp0) * exp(lp_new_t - lp0_t)."""
     total = 0.0
     lp_new, lp0, old, m, adv = _rows(lp_new), _rows(lp0), _rows(old), mask.tolist(), _rows(adv)
@@ -230,7 +249,7 @@ def _token_surrogate_sum(lp_new, lp0, old, adv, mask, eps_low=EPS_LOW, eps_high=
             if m[i][t]:
                 s_it = s0 * math.exp(lp_new[i][t] - lp0[i][t])
                 a = adv[i][t]
-                total -= min(s_it * a, _clip(s_it, eps_low, eps_high) * a) / n
+                total -= min(_unclipped(s_it, delta)[0] * a, _clip(s_it, eps_low, eps_high) * a) / n
     return total
 
 
@@ -344,11 +363,11 @@ def test_gspo_min_tie_inside_band_gives_full_unclipped_gradient():
     # is set directly: built from log-probs, exp(mean(logps - old)) lands an ulp either side of the edge.
     for edge, a in ((1.0 + EPS_HIGH, 1.0), (1.0 - EPS_LOW, -1.0)):
         ratio = torch.tensor([edge], dtype=torch.float64, requires_grad=True)
-        loss, low, high = _clipped_surrogate(ratio, _t([a]), EPS_LOW, EPS_HIGH)
+        loss, low, high, capped = _clipped_surrogate(ratio, _t([a]), EPS_LOW, EPS_HIGH)
         loss.sum().backward()
         _close(loss, [-a * edge])
         _close(ratio.grad, [-a])
-        assert not low.any() and not high.any()
+        assert not low.any() and not high.any() and not capped.any()
 
 
 def test_gspo_is_plain_mean_not_length_weighted():
@@ -775,3 +794,100 @@ def test_per_token_loss_token_mean_has_same_gradient_as_sequence_loss(fn):
     _, grads, *_ = _ref_gspo(logps, old, adv, mask)
     _close(g_tok, grads)
     assert g_tok.abs().max() > 0
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Two-sided clipping (delta) on the sequence ratio
+# --------------------------------------------------------------------------------------------------------------
+
+DELTA = 1.0 + 3 * EPS_HIGH
+
+
+def _delta_batch(seed):
+    """Rows in every regime: inside the band, between the band and delta, above delta, below the band; both signs."""
+    lo, hi, cap = math.log(1 - EPS_LOW), math.log(1 + EPS_HIGH), math.log(DELTA)
+    cases = [(0.5 * hi, -1.0), ((hi + cap) / 2, -0.8), (cap + 2 * EPS_HIGH, -1.3), (cap + 2 * EPS_HIGH, 0.9),
+             (cap + 2 * EPS_HIGH, 0.0), (lo - EPS_LOW, -0.6), ((hi + cap) / 2, 1.2)]
+    g = torch.Generator().manual_seed(seed)
+    T = 6
+    mask = _lengths_mask([6, 4, 5, 6, 3, 2, 6], T)
+    logps = -torch.rand(len(cases), T, dtype=torch.float64, generator=g) * 3
+    old = _make_old(logps, mask, [c[0] for c in cases], generator=g)
+    return logps, old, _t([c[1] for c in cases]), mask
+
+
+@pytest.mark.parametrize("fn,ref", [(gspo_loss, _ref_gspo), (gspo_token_loss, _ref_gspo_token)])
+def test_delta_matches_float64_reference(fn, ref):
+    logps, old, adv, mask = _delta_batch(12)
+    out, grad, losses, grads = _check_against_ref(fn, ref, logps, old, adv, mask, delta=DELTA)
+    # Only row 2 (A < 0, s > delta) is capped: constant term -delta A, zero gradient.
+    assert out.delta_clipped.tolist() == [[bool(mask[i, t]) and i == 2 for t in range(6)] for i in range(7)]
+    _close(out.per_sequence_loss[2], -DELTA * adv[2])
+    assert torch.all(grad[2] == 0)
+    # Without delta, that row has a gradient and a larger loss (the unbounded s A); nothing else changes.
+    plain, plain_grad = _run(fn, logps, old, adv, mask)
+    assert torch.all(plain_grad[2][mask[2].bool()] != 0)
+    assert plain.per_sequence_loss[2] > out.per_sequence_loss[2]
+    others = [i for i in range(7) if i != 2]
+    _close(out.per_sequence_loss[others], plain.per_sequence_loss[others])
+    _close(grad[others], plain_grad[others])
+    assert not plain.delta_clipped.any()
+    # Row 1 (A < 0, between the band and delta) is not capped: its full unclipped gradient flows.
+    assert torch.all(grad[1][mask[1].bool()] != 0)
+
+
+def test_delta_reference_gradient_matches_finite_differences():
+    logps, old, adv, mask = _delta_batch(13)
+    adv_tok = torch.randn(logps.shape, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    _, grads_seq, *_ = _ref_gspo(logps, old, adv, mask, delta=DELTA)
+    _, grads_tok, *_ = _ref_gspo_token(logps, old, adv_tok, mask, delta=DELTA)
+    h = 1e-8
+    for i in range(logps.shape[0]):
+        for t in range(logps.shape[1]):
+            plus, minus = logps.clone(), logps.clone()
+            plus[i, t] += h
+            minus[i, t] -= h
+            fd = (sum(_ref_gspo(plus, old, adv, mask, delta=DELTA)[0])
+                  - sum(_ref_gspo(minus, old, adv, mask, delta=DELTA)[0])) / (2 * h)
+            assert abs(fd - grads_seq[i][t]) < 1e-6
+            fd_tok = (_token_surrogate_sum(plus, logps, old, adv_tok, mask, delta=DELTA)
+                      - _token_surrogate_sum(minus, logps, old, adv_tok, mask, delta=DELTA)) / (2 * h)
+            assert abs(fd_tok - grads_tok[i][t]) < 1e-6
+
+
+def test_delta_with_per_token_advantages_caps_only_negative_tokens():
+    logps, old, _, mask = _delta_batch(14)
+    adv = torch.randn(logps.shape, dtype=torch.float64, generator=torch.Generator().manual_seed(2))
+    out, grad, *_ = _check_against_ref(gspo_token_loss, _ref_gspo_token, logps, old, adv, mask, delta=DELTA)
+    expected = (adv < 0) & mask.bool()
+    expected[[i for i in range(7) if i not in (2, 3, 4)]] = False  # rows 2-4 have s > delta
+    assert torch.equal(out.delta_clipped, expected) and expected.any()
+    assert torch.all(grad[expected] == 0)
+
+
+@pytest.mark.parametrize("fn", [gspo_loss, gspo_token_loss])
+@pytest.mark.parametrize("delta", [1.0, 1.0 + EPS_HIGH, 0.5])
+def test_delta_inside_or_below_the_band_raises(fn, delta):
+    logps, old, adv, mask = _valid_inputs()
+    with pytest.raises(ValueError, match="delta must be > 1 \\+ eps_high"):
+        fn(logps, old, adv, mask, delta=delta)
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Entropy bonus coefficient (TRL's static and adaptive control, Skywork-OR1)
+# --------------------------------------------------------------------------------------------------------------
+
+
+def test_applied_entropy_coef():
+    assert applied_entropy_coef(0.01, float("inf"), 0.2, adaptive=False) == 0.01  # static: always applied
+    assert applied_entropy_coef(0.01, float("inf"), 0.2, adaptive=True) == 0.0  # no measurement yet
+    assert applied_entropy_coef(0.01, 0.2, 0.2, adaptive=True) == 0.01  # at the target: applied
+    assert applied_entropy_coef(0.01, 0.3, 0.2, adaptive=True) == 0.0  # above the target: off
+
+
+def test_adaptive_entropy_coef_moves_by_step_within_bounds():
+    kw = dict(target=0.2, step=0.005, coef_min=0.0, coef_max=0.012)
+    assert adaptive_entropy_coef(0.01, 0.1, **kw) == pytest.approx(0.012)  # below target: up, capped at max
+    assert adaptive_entropy_coef(0.0, 0.2, **kw) == pytest.approx(0.005)  # at target: up
+    assert adaptive_entropy_coef(0.01, 0.5, **kw) == pytest.approx(0.005)  # above target: down
+    assert adaptive_entropy_coef(0.003, 0.5, **kw) == 0.0  # floored at min

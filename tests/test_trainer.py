@@ -87,7 +87,12 @@ def _fake_batch(tokenizer, batch=6, prompt_len=4, completion_len=7, seed=0, voca
     }
 
 
-def _with_real_old_logps(trainer, inputs, scale):
+OFFSETS = (1.0, -0.1, 0.1, 0.0, -1.0, 0.05)
+# Sequence 1 (advantage -0.5) gets s = exp(2e-3) above delta = 1.001: two-sided clipping binds there.
+DELTA_OFFSETS = (1.0, 2.0, 0.1, 0.0, -1.0, 0.05)
+
+
+def _with_real_old_logps(trainer, inputs, scale, offsets=OFFSETS):
     """Old log-probs = the model's own minus a per-sequence offset, so log s_i = offset_i: sequences 0 and 4
     land outside the band on the side where their advantage makes the clip bind, the others inside."""
     with torch.no_grad():
@@ -99,7 +104,7 @@ def _with_real_old_logps(trainer, inputs, scale):
         )
     g = torch.Generator().manual_seed(3)
     inputs = dict(inputs)
-    offsets = scale * torch.tensor([1.0, -0.1, 0.1, 0.0, -1.0, 0.05])[: logps.size(0), None]
+    offsets = scale * torch.tensor(offsets)[: logps.size(0), None]
     inputs["old_per_token_logps"] = logps - offsets
     inputs["ref_per_token_logps"] = logps + 0.05 * torch.randn(logps.shape, generator=g)
     return inputs
@@ -113,6 +118,7 @@ FEATURES = {
     "top_entropy": {"top_entropy_quantile": 0.5},
     "entropy_bonus": {"entropy_coef": 0.01},
     "mask_truncated": {"mask_truncated_completions": True},
+    "delta": {"delta": 1.001},
 }
 
 
@@ -130,17 +136,22 @@ def trainer_pair(tmp_path_factory, tokenizer):
     return ours, theirs
 
 
+OPTION_DEFAULTS = {"beta": 0.0, "off_policy_mask_threshold": None, "top_entropy_quantile": 1.0, "entropy_coef": 0.0,
+                   "use_bias_correction_kl": False, "mask_truncated_completions": False, "delta": None,
+                   "use_adaptive_entropy": False, "entropy_target": 0.2}
+
+
 def _configure(trainer, **options):
+    """Set loss options on a built trainer as TRL's __init__ would have from the config."""
     args = trainer.args
-    for name in ("beta", "off_policy_mask_threshold", "top_entropy_quantile", "entropy_coef",
-                 "use_bias_correction_kl", "mask_truncated_completions"):
-        default = {"beta": 0.0, "off_policy_mask_threshold": None, "top_entropy_quantile": 1.0,
-                   "entropy_coef": 0.0, "use_bias_correction_kl": False, "mask_truncated_completions": False}[name]
+    for name, default in OPTION_DEFAULTS.items():
         value = options.get(name, default)
         setattr(args, name, value)
         if hasattr(trainer, name):
             setattr(trainer, name, value)
-    trainer._entropy_bonus_enabled = trainer.entropy_coef != 0.0
+    trainer._entropy_bonus_enabled = trainer.entropy_coef != 0.0 or trainer.use_adaptive_entropy
+    trainer._last_world_entropy, trainer._entropy_window_stats = float("inf"), None
+    trainer.accelerator.gradient_state._set_sync_gradients(True)
     trainer.use_vllm = options.get("use_vllm", False)
     trainer.vllm_importance_sampling_correction = options.get("use_vllm", False)
     trainer.current_gradient_accumulation_steps = 2
@@ -166,7 +177,7 @@ def test_loss_parity_with_trl_features(trainer_pair, tokenizer, feature):
         inputs["importance_sampling_ratio"] = 0.5 + torch.rand(shape, generator=g)
     for trainer in (ours, theirs):
         _configure(trainer, **options)
-    inputs = _with_real_old_logps(ours, inputs, scale=1e-3)
+    inputs = _with_real_old_logps(ours, inputs, scale=1e-3, offsets=DELTA_OFFSETS if "delta" in options else OFFSETS)
     loss, grads = _loss_and_grads(ours, inputs)
     ref_loss, ref_grads = _loss_and_grads(theirs, inputs)
     assert torch.isfinite(loss)
@@ -178,6 +189,49 @@ def test_loss_parity_with_trl_features(trainer_pair, tokenizer, feature):
     assert 0.0 < metrics["clip_ratio/region_mean"][-1] < 1.0  # ratios straddle the band: the test can tell
     if options.get("beta"):
         assert metrics["kl"][-1] > 0
+    if options.get("delta"):  # sequence 1 (1 of 22 completion tokens) are capped: the test can tell
+        assert metrics["gspo/delta_clipped_token_fraction"][-1] == pytest.approx(1 / 22)
+
+
+@pytest.mark.parametrize("top_entropy", [1.0, 0.5])
+def test_adaptive_entropy_matches_trl_over_accumulation_windows(trainer_pair, tokenizer, top_entropy):
+    """Two optimizer steps of two micro-batches each: the bonus is off in the first window (no measurement yet),
+    the controller raises the coefficient at each step (entropy below the target) and applies it in the second
+    window; loss, gradients, controller state and the logged `entropy_coef` equal TRL's at every micro-batch."""
+    ours, theirs = trainer_pair
+    options = dict(entropy_coef=0.01, use_adaptive_entropy=True, entropy_target=1e3, top_entropy_quantile=top_entropy)
+    for trainer in (ours, theirs):
+        _configure(trainer, **options)
+        trainer._metrics["train"].clear()
+    state = theirs.accelerator.gradient_state
+    try:
+        for micro_step in range(4):
+            state._set_sync_gradients(micro_step % 2 == 1)  # the optimizer steps after micro-batches 1 and 3
+            inputs = _with_real_old_logps(ours, _fake_batch(tokenizer, seed=micro_step), scale=1e-3)
+            loss, grads = _loss_and_grads(ours, inputs)
+            ref_loss, ref_grads = _loss_and_grads(theirs, inputs)
+            torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=1e-7)
+            for name in ref_grads:
+                torch.testing.assert_close(grads[name], ref_grads[name], rtol=1e-4, atol=1e-7)
+            assert ours.entropy_coef == pytest.approx(theirs.entropy_coef)
+            assert ours._last_world_entropy == pytest.approx(theirs._last_world_entropy)
+    finally:
+        state._set_sync_gradients(True)
+    assert ours._metrics["train"]["entropy_coef"] == pytest.approx(theirs._metrics["train"]["entropy_coef"])
+    assert ours._metrics["train"]["entropy_coef"] == pytest.approx([0.015, 0.02])  # raised by entropy_coef_delta
+    # The second window applied the bonus: the same batch without it gives a different loss.
+    _configure(ours)
+    assert not torch.isclose(_loss_and_grads(ours, inputs)[0], loss)
+
+
+def test_static_entropy_bonus_logs_entropy_coef_like_trl(trainer_pair, tokenizer):
+    ours, theirs = trainer_pair
+    inputs = _with_real_old_logps(ours, _fake_batch(tokenizer), scale=1e-3)
+    for trainer in (ours, theirs):
+        _configure(trainer, entropy_coef=0.01)
+        trainer._metrics["train"].clear()
+        _loss_and_grads(trainer, inputs)
+    assert ours._metrics["train"]["entropy_coef"] == theirs._metrics["train"]["entropy_coef"] == [0.01]
 
 
 def test_aux_loss_is_added(trainer_pair, tokenizer):
@@ -277,9 +331,9 @@ def test_empty_completions_give_zero_gradient(trainer_pair, tokenizer):
 
 # --------------------------------------------------------------------------- warnings
 def test_grpo_config_with_gspo_warns_paper_values(tmp_path, tokenizer, caplog):
-    import trl_gspo.trainer as trainer_module
+    from transformers.utils.logging import warning_once
 
-    trainer_module._warned.clear()
+    warning_once.cache_clear()  # transformers' once-only cache: another test may have warned already
     cfg = tiny_config(tmp_path, config_cls=GRPOConfig, loss_type="gspo")
     with caplog.at_level(logging.WARNING, logger="trl_gspo.trainer"):
         trainer = GSPOTrainer(build_dense_model(tokenizer), digit_reward, args=cfg, train_dataset=toy_dataset(),
@@ -288,3 +342,16 @@ def test_grpo_config_with_gspo_warns_paper_values(tmp_path, tokenizer, caplog):
     assert "epsilon=0.2" in text and "3e-4" in text
     assert "fully on-policy" in text  # GRPOConfig's steps_per_generation defaults to gradient_accumulation_steps
     assert trainer.epsilon_low == 0.2  # the user's explicit config is honoured, only warned about
+
+
+def test_setup_warnings_are_emitted_once(tmp_path, caplog):
+    from transformers.utils.logging import warning_once
+
+    from trl_gspo.trainer import _warn_about_setup
+
+    warning_once.cache_clear()
+    cfg = tiny_config(tmp_path, config_cls=GRPOConfig, loss_type="gspo")
+    with caplog.at_level(logging.WARNING, logger="trl_gspo.trainer"):
+        _warn_about_setup(cfg)
+        _warn_about_setup(cfg)
+    assert caplog.text.count("fully on-policy") == 1 and caplog.text.count("epsilon=0.2") == 1

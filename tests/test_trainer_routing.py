@@ -69,9 +69,9 @@ def test_bad_routing_replay_value(tmp_path):
 
 
 def test_on_policy_replay_warns(tmp_path, tokenizer, caplog):
-    import trl_gspo.trainer as trainer_module
+    from transformers.utils.logging import warning_once
 
-    trainer_module._warned.discard("replay_on_policy")
+    warning_once.cache_clear()  # transformers' once-only cache: another test may have warned already
     with caplog.at_level(logging.WARNING, logger="trl_gspo.trainer"):
         GSPOTrainer(build_model(tokenizer), digit_reward,
                     args=tiny_config(tmp_path, loss_type="grpo", routing_replay="old", steps_per_generation=1),

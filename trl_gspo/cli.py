@@ -2,126 +2,23 @@
 
     trl-gspo --config recipe.yaml [--any_field value ...]
 
-Recipe keys are the fields of `GSPOScriptArguments`, `GSPOConfig`, `trl.ModelConfig` and
-`trl.DatasetMixtureConfig` (exactly `trl grpo`'s keys plus GSPO's), an `env:` mapping exported before training,
-and `accelerate launch` options (`accelerate_config: zero3`, `num_processes: 8`, ...). Anything else is an error.
-The command validates the recipe, then runs `accelerate launch -m trl_gspo.train <same arguments>`; running
-`accelerate launch [options] -m trl_gspo.train --config recipe.yaml` yourself is equivalent.
+Recipe keys are described in `trl_gspo.recipe`. The command validates the recipe, then runs
+`accelerate launch -m trl_gspo.train <same arguments>`; running `accelerate launch [options] -m trl_gspo.train
+--config recipe.yaml` yourself is equivalent.
 """
 
 from __future__ import annotations
 
-import os
 import sys
-from dataclasses import dataclass, field
 
-from trl import DatasetMixtureConfig, ModelConfig, TrlParser
-from trl.scripts.grpo import GRPOScriptArguments
+from .checkpoints import check_resume_before_launch
+from . import launching
+from .recipe import (GSPOScriptArguments, RecipeError, check_launch, describe, make_parser,  # noqa: F401
+                     parse_recipe)
+from .rewards import resolve_rewards
 
-from .config import GSPOConfig
-
+# Launched by module name: the command never imports the training code (or the trainer, or torch's models).
 TRAINING_MODULE = "trl_gspo.train"
-
-
-@dataclass
-class GSPOScriptArguments(GRPOScriptArguments):
-    """`trl grpo`'s script arguments, plus the supervised cold start and the end-of-run report.
-
-    `model_name_or_path: builtin:tiny-qwen3-moe` (or `builtin:tiny-qwen3`, dense) builds a tiny model and a
-    character tokenizer locally; `dataset_name: builtin:addition` is single-digit addition with a verifiable
-    answer, whose rewards are `exact_match_reward` and `digit_match_reward` (partial credit).
-    """
-
-    sft_steps: int = field(
-        default=0,
-        metadata={
-            "help": "Supervised cold-start steps (TRL SFTTrainer) on the built-in task's reference answers before RL, "
-            "as in the GSPO paper's recipe. Only with a `builtin:` dataset. 0 disables it."
-        },
-    )
-    sft_learning_rate: float = field(default=3e-3, metadata={"help": "Learning rate of the supervised cold start."})
-    sft_correct_fraction: float = field(
-        default=0.5,
-        metadata={
-            "help": "Fraction of cold-start completions that are correct (the rest are random answers), so the "
-            "cold-started policy is weak but has the answer in its support; see trl_gspo/quickstart/addition.py."
-        },
-    )
-    builtin_num_examples: int = field(
-        default=4096, metadata={"help": "Number of prompts generated for a `builtin:` dataset."}
-    )
-    plot: bool = field(
-        default=True,
-        metadata={"help": "Write `training_curves.png` (reward and clip fractions per step) to `output_dir`."},
-    )
-    dry_run: bool = field(
-        default=False,
-        metadata={"help": "Validate the recipe, print the resolved configuration and exit without training."},
-    )
-
-
-def make_parser(prog: str = "trl-gspo") -> TrlParser:
-    return TrlParser((GSPOScriptArguments, GSPOConfig, ModelConfig, DatasetMixtureConfig), prog=prog)
-
-
-def _accelerate_option_strings() -> set[str]:
-    from accelerate.commands.launch import launch_command_parser
-
-    return set(launch_command_parser()._option_string_actions)
-
-
-class RecipeError(ValueError):
-    """A recipe or command line that cannot be run; the message names the key and the fix."""
-
-
-def parse_recipe(argv: list[str]):
-    """Parse `argv` (with `--config file.yaml`) into dataclasses.
-
-    Returns `(script_args, training_args, model_args, dataset_args, launch_args, cli_launch_tokens)`: `launch_args`
-    are the `accelerate launch` options the recipe or command line named, `cli_launch_tokens` the subsequence of
-    `argv` that holds the command line's own accelerate options. Raises `RecipeError` for unknown keys.
-    """
-    from trl.cli.accelerate_config import resolve_accelerate_config_argument
-
-    if "--config" in argv:
-        index = argv.index("--config")
-        if index + 1 >= len(argv):
-            raise RecipeError("`--config` needs a path to a YAML recipe.")
-        path = argv[index + 1]
-        if not os.path.isfile(path):
-            raise RecipeError(f"recipe file {path!r} does not exist. Fix: pass the path of a YAML recipe, "
-                              "e.g. `--config recipes/quickstart.yaml`.")
-    parser = make_parser()
-    *dataclasses, config_remaining, cli_remaining = parser.parse_args_and_config(
-        argv, return_remaining_strings=True, separate_remaining_strings=True
-    )
-    known = _accelerate_option_strings()
-    for source, remaining in (("recipe", config_remaining), ("command line", cli_remaining)):
-        for token in remaining:
-            if token.startswith("--") and token.split("=", 1)[0] not in known | {"--accelerate_config"}:
-                key = token[2:].split("=", 1)[0]
-                raise RecipeError(
-                    f"unknown key `{key}` in the {source}: it is neither a GSPOConfig / ModelConfig / script field "
-                    "nor an `accelerate launch` option. Fix: check its spelling against `trl-gspo --help` "
-                    "(or remove it)."
-                )
-    if "--config" in argv:  # a recipe's relative accelerate_config path is relative to the recipe file
-        config_remaining = _relative_to_recipe(config_remaining, os.path.dirname(argv[argv.index("--config") + 1]))
-    try:
-        launch_args = resolve_accelerate_config_argument(config_remaining + cli_remaining)
-    except ValueError as err:
-        raise RecipeError(f"`accelerate_config`: {err}") from None
-    return (*dataclasses, launch_args, cli_remaining)
-
-
-def _relative_to_recipe(tokens: list[str], recipe_dir: str) -> list[str]:
-    tokens = list(tokens)
-    if "--accelerate_config" in tokens[:-1]:
-        index = tokens.index("--accelerate_config") + 1
-        candidate = os.path.join(recipe_dir, tokens[index])
-        if not os.path.isfile(tokens[index]) and os.path.isfile(candidate):
-            tokens[index] = candidate
-    return tokens
 
 
 def _without(argv: list[str], tokens: list[str]) -> list[str]:
@@ -133,28 +30,6 @@ def _without(argv: list[str], tokens: list[str]) -> list[str]:
         else:
             result.append(token)
     return result
-
-
-def describe(script_args, training_args, model_args, dataset_args, launch_args) -> str:
-    """A short, human-readable summary of the resolved run."""
-    args = training_args
-    lines = [
-        f"model:          {model_args.model_name_or_path}",
-        f"dataset:        {script_args.dataset_name or [d.path for d in (dataset_args.datasets or [])]}",
-        f"reward_funcs:   {script_args.reward_funcs}",
-        f"loss_type:      {args.loss_type}  (epsilon={args.epsilon}, epsilon_high={args.epsilon_high}, "
-        f"beta={args.beta}, importance_sampling_level={args.importance_sampling_level})",
-        f"batch:          per_device_train_batch_size={args.per_device_train_batch_size}, "
-        f"gradient_accumulation_steps={args.gradient_accumulation_steps}, "
-        f"steps_per_generation={args.steps_per_generation}, num_generations={args.num_generations}, "
-        f"num_iterations={args.num_iterations}",
-        f"peft:           {'LoRA r=%s targets=%s' % (model_args.lora_r, model_args.lora_target_modules) if model_args.use_peft else 'off'}",
-        f"output_dir:     {args.output_dir}",
-        f"accelerate:     {' '.join(launch_args) or '(defaults)'}",
-    ]
-    if script_args.sft_steps:
-        lines.insert(3, f"sft cold start: {script_args.sft_steps} steps at lr {script_args.sft_learning_rate}")
-    return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -173,11 +48,9 @@ def main(argv: list[str] | None = None) -> int:
                 argv + ["--use_cpu", "true", "--bf16", "false"]
             )
             note = "(no GPU here: validated with use_cpu=true, bf16=false; the recipe itself asks for bf16)\n"
-        from .train import _reward_functions
-
-        _reward_functions(script_args)  # unknown names or a missing verifier fail here, before any process starts
-        from .checkpoints import check_resume_before_launch
-
+        resolve_rewards(script_args)  # unknown names or a missing verifier fail here, before any process starts
+        note += "".join(f"{line}\n" for line in check_launch(script_args, training_args, launch_args,
+                                                             dry_run=script_args.dry_run))
         check_resume_before_launch(training_args.resume_from_checkpoint, training_args.output_dir)
     except (RecipeError, ValueError, TypeError) as err:
         print(f"trl-gspo: error: {err}", file=sys.stderr)
@@ -188,30 +61,9 @@ def main(argv: list[str] | None = None) -> int:
         print("trl-gspo: recipe is valid (dry run, nothing trained).")
         return 0
 
-    from accelerate.commands.launch import launch_command_parser
-
     accelerate_tokens = launch_args + ["--module", TRAINING_MODULE] + _without(argv, cli_launch_tokens)
-    accelerate_args = launch_command_parser().parse_args(accelerate_tokens)
-    if script_args.sft_steps > 0 and _launches_deepspeed(accelerate_args):
-        from .train import SFT_UNDER_DEEPSPEED
-
-        print(f"trl-gspo: error: {SFT_UNDER_DEEPSPEED}", file=sys.stderr)
-        return 2
-    from .launching import accelerate_launch_command, run_forwarding_signals
-
     # A child process group: SIGINT/SIGTERM to trl-gspo stop every training process too (trl_gspo/launching.py).
-    return run_forwarding_signals(accelerate_launch_command(accelerate_tokens))
-
-
-def _launches_deepspeed(accelerate_args) -> bool:
-    if getattr(accelerate_args, "use_deepspeed", False):
-        return True
-    if not accelerate_args.config_file or not os.path.isfile(accelerate_args.config_file):
-        return False
-    import yaml
-
-    with open(accelerate_args.config_file) as handle:
-        return str((yaml.safe_load(handle) or {}).get("distributed_type", "")).upper() == "DEEPSPEED"
+    return launching.run_forwarding_signals(launching.accelerate_launch_command(accelerate_tokens))
 
 
 if __name__ == "__main__":

@@ -159,15 +159,10 @@ def validate_gspo_args(args: GRPOConfig) -> None:
             "contradicts it.",
             "remove the option (it resolves to 'sequence'), or use loss_type='grpo' for token-level ratios.",
         )
-    if args.delta is not None:
+    if args.delta is not None and not args.delta > 1.0 + epsilon_high:
         raise _error(
             "delta",
-            "two-sided (INTELLECT-2) clipping is not part of the GSPO objective and is not applied by gspo types.",
-            "unset `delta`, or use loss_type='grpo'.",
-        )
-    if args.use_adaptive_entropy:
-        raise _error(
-            "use_adaptive_entropy",
-            "the adaptive entropy controller is only implemented inside TRL's own losses.",
-            "use a fixed `entropy_coef`, or a TRL loss type.",
+            f"two-sided clipping caps the sequence ratio at delta, which must lie above the clip band "
+            f"(> 1 + epsilon_high = {1.0 + epsilon_high}), got {args.delta}.",
+            f"set delta > {1.0 + epsilon_high} (e.g. {round(1.0 + 4 * epsilon_high, 6)}), or unset it.",
         )

@@ -23,6 +23,9 @@ __all__ = [
     "gspo_token_loss",
     "k3_kl",
     "masked_sequence_mean",
+    "masked_token_mean",
+    "applied_entropy_coef",
+    "adaptive_entropy_coef",
 ]
 
 
@@ -41,6 +44,8 @@ class PolicyLossOutput:
         low_clipped: ``(B, T)`` tokens whose objective is the clipped term on the low side
             (``s < 1 - eps_low`` and advantage < 0), restricted to valid tokens.
         high_clipped: ``(B, T)`` same on the high side (``s > 1 + eps_high`` and advantage > 0).
+        delta_clipped: ``(B, T)`` tokens whose objective was capped by two-sided clipping (``s > delta`` and
+            advantage < 0); all False without ``delta``.
     """
 
     per_token_loss: torch.Tensor
@@ -48,6 +53,7 @@ class PolicyLossOutput:
     log_ratio: torch.Tensor
     low_clipped: torch.Tensor
     high_clipped: torch.Tensor
+    delta_clipped: torch.Tensor
 
     @property
     def ratio(self) -> torch.Tensor:
@@ -87,17 +93,27 @@ def _check_shapes(logps: torch.Tensor, old_logps: torch.Tensor, mask: torch.Tens
         )
 
 
-def _check_clip_range(eps_low: float, eps_high: float) -> None:
+def _check_clip_range(eps_low: float, eps_high: float, delta: float | None = None) -> None:
     if not eps_low > 0 or not eps_high > 0:
         raise ValueError(f"clip ranges must be positive, got eps_low={eps_low}, eps_high={eps_high}.")
     if eps_low >= 1:
         raise ValueError(f"eps_low must be < 1 so that 1 - eps_low > 0, got {eps_low}.")
+    if delta is not None and not delta > 1.0 + eps_high:
+        raise ValueError(
+            f"delta must be > 1 + eps_high = {1.0 + eps_high} (it caps the ratio above the clip band), got {delta}."
+        )
 
 
 def masked_sequence_mean(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """``(B,)`` mean of ``values`` over each row's valid tokens; 0 for a row with none."""
     mask = mask.to(values.dtype)
     return (values * mask).sum(-1) / mask.sum(-1).clamp(min=1.0)
+
+
+def masked_token_mean(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Scalar mean of ``values`` over all valid tokens of the batch (every token weighs the same); 0 if none."""
+    mask = mask.to(values.dtype)
+    return (values * mask).sum() / mask.sum().clamp(min=1.0)
 
 
 def sequence_log_ratio(logps: torch.Tensor, old_logps: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -116,22 +132,31 @@ def sequence_log_ratio(logps: torch.Tensor, old_logps: torch.Tensor, mask: torch
     return masked_sequence_mean(token_log_ratio, mask)
 
 
-def _clipped_surrogate(ratio, advantages, eps_low, eps_high):
-    """``-min(r A, clip(r, 1-eps_low, 1+eps_high) A)`` and the low/high clip indicators.
+def _clipped_surrogate(ratio, advantages, eps_low, eps_high, delta=None):
+    """``-min(min(r, delta) A, clip(r, 1-eps_low, 1+eps_high) A)`` and the low/high/delta clip indicators.
 
     The min picks the clipped term only where the clip binds against the advantage's sign (``r > 1+eps_high`` with
-    ``A > 0``, or ``r < 1-eps_low`` with ``A < 0``); there the term is a constant. Written as that selection, not
-    with ``torch.minimum`` and ``torch.clamp``, so the gradient at a tie or exactly on a band edge does not depend
-    on torch's subgradient conventions (torch 2.14 changed ``clamp``'s gradient at the bound from 1 to 0, which
-    halved the gradient of ``min(r, clamp(r))`` at ``r = 1+eps``). Same value everywhere; the gradient is zero
-    exactly where the clip indicators are set.
+    ``A > 0``, or ``r < 1-eps_low`` with ``A < 0``); there the term is a constant. ``delta`` (two-sided clipping,
+    ``None`` = off) caps the unclipped ratio, which binds only where ``r > delta`` with ``A < 0`` (for ``A > 0`` the
+    clipped term ``1+eps_high < delta`` is already the smaller): there the term is the constant ``-delta A``.
+    Written as that selection, not with ``torch.minimum`` and ``torch.clamp``, so the gradient at a tie or exactly
+    on a band edge does not depend on torch's subgradient conventions (torch 2.14 changed ``clamp``'s gradient at
+    the bound from 1 to 0, which halved the gradient of ``min(r, clamp(r))`` at ``r = 1+eps``). Same value
+    everywhere; the gradient is zero exactly where a clip indicator is set.
     """
     ratio_detached = ratio.detach()
     low = (ratio_detached < 1.0 - eps_low) & (advantages < 0)
     high = (ratio_detached > 1.0 + eps_high) & (advantages > 0)
-    bound = torch.where(high, 1.0 + eps_high, 1.0 - eps_low).to(ratio.dtype)
-    loss = -torch.where(low | high, bound * advantages, ratio * advantages)
-    return loss, low, high
+    capped = torch.zeros_like(low) if delta is None else (ratio_detached > delta) & (advantages < 0)
+
+    def constant(value):  # in the ratio's dtype: a float32 1 + 4e-4 would be off by 7e-9 in float64 arithmetic
+        return torch.tensor(value, dtype=ratio.dtype, device=ratio.device)
+
+    bound = torch.where(high, constant(1.0 + eps_high), constant(1.0 - eps_low))
+    if delta is not None:
+        bound = torch.where(capped, constant(delta), bound)
+    loss = -torch.where(low | high | capped, bound * advantages, ratio * advantages)
+    return loss, low, high, capped
 
 
 def gspo_loss(
@@ -142,6 +167,7 @@ def gspo_loss(
     eps_low: float = 3e-4,
     eps_high: float = 4e-4,
     check_inputs: bool = True,
+    delta: float | None = None,
 ) -> PolicyLossOutput:
     """GSPO sequence-level clipped objective, Eq. 5 with the ratio of Eq. 7.
 
@@ -149,6 +175,15 @@ def gspo_loss(
 
     The loss is ``-J``, one value per sequence: the objective is a plain mean over sequences, never weighted by
     length. Gradients flow through ``logps`` only; ``old_logps`` and ``advantages`` are constants.
+
+    With ``delta`` (two-sided clipping, INTELLECT-2, arXiv 2505.07291; TRL's ``GRPOConfig.delta``) the unclipped
+    ratio is capped at ``delta``, applied here to the sequence ratio:
+
+    ``J_delta(theta) = E[ (1/G) sum_i min(min(s_i, delta) A_i, clip(s_i, 1 - eps_low, 1 + eps_high) A_i) ]``
+
+    which differs from Eq. 5 only for ``A_i < 0`` and ``s_i > delta``: there the term is the constant
+    ``delta A_i`` (zero gradient), so a sequence the policy has made much more likely can no longer push an
+    unbounded negative update. Not part of the GSPO paper.
 
     Args:
         logps: ``(B, T)`` log pi_theta of the sampled completion tokens (requires grad).
@@ -158,8 +193,9 @@ def gspo_loss(
         eps_low: left clip width: ``s_i`` is clipped below at ``1 - eps_low`` (paper: 3e-4).
         eps_high: right clip width: ``s_i`` is clipped above at ``1 + eps_high`` (paper: 4e-4).
         check_inputs: raise ``ValueError`` on NaN/Inf at valid positions.
+        delta: optional cap on the unclipped ratio, ``> 1 + eps_high`` (``None``: off, the paper's objective).
     """
-    _check_clip_range(eps_low, eps_high)
+    _check_clip_range(eps_low, eps_high, delta)
     _check_shapes(logps, old_logps, mask)
     if advantages.dim() == 2 and advantages.shape[1] == 1:
         advantages = advantages[:, 0]
@@ -175,7 +211,7 @@ def gspo_loss(
     log_ratio = sequence_log_ratio(logps, old_logps, mask)
     ratio = torch.exp(log_ratio)
     advantages = advantages.to(log_ratio.dtype)
-    loss, low, high = _clipped_surrogate(ratio, advantages, eps_low, eps_high)
+    loss, low, high, capped = _clipped_surrogate(ratio, advantages, eps_low, eps_high, delta)
     valid = mask.bool()
     # An empty completion has no tokens to reinforce: zero value, zero gradient.
     per_token_loss = torch.where(valid, loss[:, None], torch.zeros((), dtype=loss.dtype, device=loss.device))
@@ -185,6 +221,7 @@ def gspo_loss(
         log_ratio=log_ratio.detach(),
         low_clipped=low[:, None] & valid,
         high_clipped=high[:, None] & valid,
+        delta_clipped=capped[:, None] & valid,
     )
 
 
@@ -196,6 +233,7 @@ def gspo_token_loss(
     eps_low: float = 3e-4,
     eps_high: float = 4e-4,
     check_inputs: bool = True,
+    delta: float | None = None,
 ) -> PolicyLossOutput:
     """GSPO-token objective, Eq. 13 with the token ratio of Eq. 14.
 
@@ -206,13 +244,16 @@ def gspo_token_loss(
     ``s_i,t`` equals ``s_i`` in value, so the clip decision is per sequence, but each token carries its own
     advantage. With ``A_i,t = A_i`` for every token this equals :func:`gspo_loss` in value and gradient.
 
+    ``delta`` caps the unclipped term as in :func:`gspo_loss`, per token: ``min(min(s_i,t, delta) A_i,t, ...)``,
+    which binds on the tokens with ``A_i,t < 0`` of a sequence with ``s_i > delta``.
+
     The other arguments are as in `gspo_loss`.
 
     Args:
         advantages: ``(B, T)`` per-token advantages, or ``(B,)`` / ``(B, 1)`` per-sequence advantages
             (broadcast over tokens).
     """
-    _check_clip_range(eps_low, eps_high)
+    _check_clip_range(eps_low, eps_high, delta)
     _check_shapes(logps, old_logps, mask)
     batch, length = logps.shape
     if advantages.dim() == 1:
@@ -235,7 +276,7 @@ def gspo_token_loss(
     # Eq. 14: s_i,t = sg[s_i] * pi(y_t) / sg[pi(y_t)]. The second factor is exactly 1 in value (exp(0)), so every
     # token of a sequence carries the same ratio and the same clip decision, bit for bit.
     token_ratio = torch.exp(log_ratio).detach()[:, None] * torch.exp(token_logps - token_logps.detach())
-    token_loss, low, high = _clipped_surrogate(token_ratio, advantages, eps_low, eps_high)
+    token_loss, low, high, capped = _clipped_surrogate(token_ratio, advantages, eps_low, eps_high, delta)
     token_loss = torch.where(valid, token_loss, zero)
     return PolicyLossOutput(
         per_token_loss=token_loss,
@@ -243,7 +284,30 @@ def gspo_token_loss(
         log_ratio=log_ratio.detach(),
         low_clipped=low & valid,
         high_clipped=high & valid,
+        delta_clipped=capped & valid,
     )
+
+
+def applied_entropy_coef(coef: float, last_entropy: float, target: float, adaptive: bool) -> float:
+    """Coefficient of the entropy bonus ``L = L_policy - coef * H`` for the current optimizer step.
+
+    A fixed ``coef`` always applies. The adaptive controller (Skywork-OR1, arXiv 2505.22312, as TRL's
+    ``use_adaptive_entropy`` runs it) applies it only while the entropy measured at the end of the previous
+    optimizer step is at or below ``target`` (``last_entropy = inf`` before the first measurement: no bonus).
+    """
+    if not adaptive:
+        return coef
+    return coef if last_entropy <= target else 0.0
+
+
+def adaptive_entropy_coef(coef: float, entropy: float, target: float, step: float, coef_min: float,
+                          coef_max: float) -> float:
+    """Next coefficient of the adaptive entropy controller after an optimizer step whose mean token entropy over
+    all ranks was ``entropy``: ``min(coef + step, coef_max)`` if ``entropy <= target`` (entropy collapsing: push
+    harder), else ``max(coef - step, coef_min)``."""
+    if entropy <= target:
+        return min(coef + step, coef_max)
+    return max(coef - step, coef_min)
 
 
 def k3_kl(logps: torch.Tensor, ref_logps: torch.Tensor) -> torch.Tensor:

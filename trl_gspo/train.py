@@ -1,86 +1,18 @@
 """Training entry point: `python -m trl_gspo.train --config recipe.yaml` (what `trl-gspo` launches).
 
-Also runs under `accelerate launch [options] -m trl_gspo.train --config recipe.yaml`.
+Also runs under `accelerate launch [options] -m trl_gspo.train --config recipe.yaml`. Imports flow one way: the
+command (`trl_gspo.cli`) launches this module by name, this module uses `recipe`, `rewards` and the trainer.
 """
 
 from __future__ import annotations
 
-import importlib
-import importlib.util
 import os
 import sys
 import time
 
-from .cli import RecipeError, describe, parse_recipe
-
-BUILTIN_PREFIX = "builtin:"
-SFT_UNDER_DEEPSPEED = (
-    "`sft_steps` (the built-in SFT cold start) cannot run under DeepSpeed: accelerate allows one DeepSpeed "
-    "Accelerator per process, and the GSPO trainer needs it. Fix: cold-start once with one process or DDP "
-    "(e.g. recipes/accelerate/cpu_ddp.yaml), then launch DeepSpeed with `model_name_or_path: "
-    "<that output_dir>/initial_model` and `sft_steps: 0`."
-)
-BUILTIN_MODELS = ("tiny-qwen3-moe", "tiny-qwen3")
-BUILTIN_DATASETS = ("addition",)
-
-
-def _reward_functions(script_args):
-    """Reward callables from names: trl_gspo's built-ins, TRL's registry (as in `trl grpo`), dotted paths."""
-    from trl.rewards import accuracy_reward, get_soft_overlong_punishment, reasoning_accuracy_reward, think_format_reward
-
-    from .quickstart import addition
-
-    registry = {
-        "digit_match_reward": addition.digit_match_reward,
-        "exact_match_reward": addition.exact_match_reward,
-        "accuracy_reward": accuracy_reward,
-        "reasoning_accuracy_reward": reasoning_accuracy_reward,
-        "think_format_reward": think_format_reward,
-        "get_soft_overlong_punishment": get_soft_overlong_punishment(max_completion_len=1280, soft_punish_cache=256),
-    }
-    rewards = [script_args.reward_model_name_or_path] if script_args.reward_model_name_or_path else []
-    for name in script_args.reward_funcs or []:
-        if name in ("accuracy_reward", "reasoning_accuracy_reward") and importlib.util.find_spec("math_verify") is None:
-            raise RecipeError(f"`reward_funcs`: {name} checks answers with math-verify, which is not installed. "
-                              'Fix: pip install "trl-gspo[math]".')
-        if name in registry:
-            rewards.append(registry[name])
-        elif "." in name:
-            module_name, attribute = name.rsplit(".", 1)
-            sys.path.insert(0, os.getcwd())
-            try:
-                rewards.append(getattr(importlib.import_module(module_name), attribute))
-            except (ImportError, AttributeError) as err:
-                raise RecipeError(f"`reward_funcs`: cannot import {name!r} ({err}). Fix: give an importable "
-                                  "`module.function` path.") from None
-        else:
-            raise RecipeError(f"`reward_funcs`: unknown reward {name!r}. Fix: use one of {sorted(registry)} or a "
-                              "dotted path `module.function`.")
-    if not rewards:
-        raise RecipeError("no reward: set `reward_funcs` (e.g. [digit_match_reward]) or `reward_model_name_or_path`.")
-    return rewards
-
-
-def _load_dataset(script_args, dataset_args):
-    from datasets import DatasetDict, load_dataset
-    from trl import get_dataset
-
-    name = script_args.dataset_name
-    if name and name.startswith(BUILTIN_PREFIX):
-        from .quickstart import addition
-
-        if name[len(BUILTIN_PREFIX):] not in BUILTIN_DATASETS:
-            raise RecipeError(f"`dataset_name`: unknown built-in {name!r}. Fix: use one of "
-                              f"{[BUILTIN_PREFIX + d for d in BUILTIN_DATASETS]}.")
-        return DatasetDict({
-            script_args.dataset_train_split: addition.make_rl_dataset(script_args.builtin_num_examples, seed=0),
-            script_args.dataset_test_split: addition.make_rl_dataset(256, seed=1),
-        })
-    if dataset_args.datasets:
-        return get_dataset(dataset_args)
-    if name:
-        return load_dataset(name, name=script_args.dataset_config, streaming=script_args.dataset_streaming)
-    raise RecipeError("no dataset: set `dataset_name` (e.g. builtin:addition or a hub id) or `datasets`.")
+from .recipe import (BUILTIN_MODELS, BUILTIN_PREFIX, FSDP_WITHOUT_ACCELERATOR, SFT_UNDER_DEEPSPEED, RecipeError,
+                     describe, load_dataset, parse_recipe)
+from .rewards import resolve_rewards
 
 
 def _prepare_builtin_model(script_args, training_args, model_args):
@@ -138,6 +70,18 @@ def _prepare_builtin_model(script_args, training_args, model_args):
     return path
 
 
+def check_distributed_setup(training_args) -> None:
+    """Refuse an FSDP launch that accelerate would run without FSDP: on CPU it falls back to plain data parallelism
+    (FSDP2) or fails after the model is loaded (FSDP1), for `accelerate launch -m trl_gspo.train` run by hand too."""
+    from accelerate import PartialState
+    from accelerate.utils import DistributedType, parse_flag_from_env
+
+    state = PartialState(cpu=training_args.use_cpu)
+    if parse_flag_from_env("ACCELERATE_USE_FSDP") and state.distributed_type != DistributedType.FSDP:
+        raise RecipeError(FSDP_WITHOUT_ACCELERATOR.format(
+            why=f"this process runs on {state.device} (accelerate chose {state.distributed_type.value})"))
+
+
 def run(script_args, training_args, model_args, dataset_args) -> "GSPOTrainer":  # noqa: F821
     from trl import get_peft_config, get_quantization_config
 
@@ -147,8 +91,9 @@ def run(script_args, training_args, model_args, dataset_args) -> "GSPOTrainer": 
     if script_args.sft_steps and not (script_args.dataset_name or "").startswith(BUILTIN_PREFIX):
         raise RecipeError("`sft_steps` needs a `builtin:` dataset (it trains on the task's reference answers). "
                           "Fix: set sft_steps: 0, or cold-start your model with `trl sft` first.")
-    rewards = _reward_functions(script_args)
-    dataset = _load_dataset(script_args, dataset_args)
+    check_distributed_setup(training_args)
+    rewards = resolve_rewards(script_args)
+    dataset = load_dataset(script_args, dataset_args)
 
     model = model_args.model_name_or_path
     if model is None:

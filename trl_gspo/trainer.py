@@ -5,18 +5,27 @@ from __future__ import annotations
 
 import inspect
 import json
-import logging
 import os
 
 import torch
 from transformers import PreTrainedModel
+from transformers.utils import logging
 from trl import GRPOTrainer
 
 from .checkpoints import load_rollout_buffer, resolve_resume_from_checkpoint, rollout_buffer_path, save_rollout_buffer
 from .config import GSPO_LOSS_TYPES, PAPER_EPSILON_HIGH, PAPER_EPSILON_LOW, GSPOConfig, validate_gspo_args
-from .losses import gspo_loss, gspo_token_loss, k3_kl, masked_sequence_mean, sequence_log_ratio
+from .losses import (
+    adaptive_entropy_coef,
+    applied_entropy_coef,
+    gspo_loss,
+    gspo_token_loss,
+    k3_kl,
+    masked_sequence_mean,
+    masked_token_mean,
+    sequence_log_ratio,
+)
 
-logger = logging.getLogger(__name__)
+logger = logging.get_logger(__name__)  # transformers' logger: adds `warning_once`
 
 # Arguments of `_get_per_token_logps_and_entropies` that are model inputs carried in the batch dict (images,
 # token types, ...). Read from TRL's signature so new multimodal inputs are forwarded without code changes here.
@@ -77,7 +86,7 @@ class GSPOTrainer(GRPOTrainer):
             return  # drift measurement is optional; replay was not asked for
         self._old_pass_runs = runs_old_policy_pass(self.args)
         if not self._old_pass_runs and self.routing_replay_mode != "none":
-            _warn_once("replay_on_policy", "routing_replay='old' with fully on-policy training: TRL runs no "
+            logger.warning_once("routing_replay='old' with fully on-policy training: TRL runs no "
                        "old-policy pass, so there is nothing to record and replay changes nothing. Set "
                        "steps_per_generation > gradient_accumulation_steps or num_iterations > 1.")
 
@@ -167,7 +176,7 @@ class GSPOTrainer(GRPOTrainer):
         with open(os.path.join(checkpoint, "trainer_state.json")) as handle:
             micro_steps = json.load(handle)["global_step"] * self.args.gradient_accumulation_steps
         if micro_steps % (self.args.steps_per_generation * self.num_iterations) != 0:
-            _warn_once("mid_rollout_resume", f"resuming from {checkpoint}, in the middle of a rollout batch, without "
+            logger.warning_once(f"resuming from {checkpoint}, in the middle of a rollout batch, without "
                        f"its saved rollout batch ({restored}): a new rollout batch is generated, so training "
                        "continues differently from the uninterrupted run.")
 
@@ -258,10 +267,12 @@ class GSPOTrainer(GRPOTrainer):
                     "`loss_type='gspo'` needs one advantage per sequence but the batch holds per-token advantages "
                     f"of shape {tuple(inputs['advantages'].shape)}. Fix: use `loss_type='gspo_token'`."
                 )
-            out = gspo_loss(logps, old_logps, inputs["advantages"], mask, self.epsilon_low, self.epsilon_high)
+            out = gspo_loss(logps, old_logps, inputs["advantages"], mask, self.epsilon_low, self.epsilon_high,
+                            delta=self.args.delta)
         else:
             advantages = self.token_advantages(inputs, mask)
-            out = gspo_token_loss(logps, old_logps, advantages, mask, self.epsilon_low, self.epsilon_high)
+            out = gspo_token_loss(logps, old_logps, advantages, mask, self.epsilon_low, self.epsilon_high,
+                                  delta=self.args.delta)
 
         # Optional per-token weights from TRL features, applied as TRL's "grpo" loss applies them.
         per_token_loss = out.per_token_loss
@@ -285,7 +296,13 @@ class GSPOTrainer(GRPOTrainer):
         loss = policy_loss / accumulation
         if self._entropy_bonus_enabled:  # L = L_policy - coef * H, H the mean entropy of the trained tokens
             entropy_mask_or_all = mask if entropy_mask is None else mask * entropy_mask
-            loss = loss - self.entropy_coef * masked_token_mean(entropies, entropy_mask_or_all) / accumulation
+            coef = applied_entropy_coef(self.entropy_coef, self._last_world_entropy, self.args.entropy_target,
+                                        self.use_adaptive_entropy)
+            loss = loss - coef * masked_token_mean(entropies, entropy_mask_or_all) / accumulation
+            if self.use_adaptive_entropy and mode == "train":
+                self._update_entropy_controller(entropies, entropy_mask_or_all)
+            if mode == "train" and self.accelerator.sync_gradients:  # TRL's metric, once per optimizer step
+                self._metrics[mode]["entropy_coef"].append(self.entropy_coef)
         if self.aux_loss_enabled:
             loss = loss + self.router_aux_loss_coef * aux_loss / accumulation
             self._metrics[mode]["aux_loss"].append(self.accelerator.gather(aux_loss.detach()).mean().item())
@@ -293,6 +310,22 @@ class GSPOTrainer(GRPOTrainer):
         self._log_gspo_metrics(mode, out, mask, entropies, policy_loss.detach(),
                                per_token_kl if self.beta != 0.0 else None)
         return loss
+
+    def _update_entropy_controller(self, entropies, mask):
+        """TRL's adaptive entropy controller state (`entropy_coef`, `_last_world_entropy`, saved with checkpoints by
+        TRL): sum entropy and token counts over the micro-batches of an accumulation window, then at the optimizer
+        step take the mean over all ranks' tokens and move the coefficient for the next step."""
+        stats = torch.stack([(entropies * mask).sum(), mask.sum()]).detach().float()
+        window = self._entropy_window_stats
+        self._entropy_window_stats = stats if window is None else window + stats
+        if not self.accelerator.sync_gradients:
+            return
+        totals = self.accelerator.reduce(self._entropy_window_stats, reduction="sum")
+        entropy = (totals[0] / totals[1].clamp(min=1.0)).item()  # one sync per optimizer step
+        args = self.args
+        self.entropy_coef = adaptive_entropy_coef(self.entropy_coef, entropy, args.entropy_target,
+                                                  args.entropy_coef_delta, args.entropy_coef_min, args.entropy_coef_max)
+        self._last_world_entropy, self._entropy_window_stats = entropy, None
 
     def _off_policy_keep(self, inputs, logps, old_logps, mask):
         """TRL's off-policy sequence mask (DeepSeek-V3.2), `(B, 1)`: drop negative-advantage sequences whose
@@ -344,6 +377,8 @@ class GSPOTrainer(GRPOTrainer):
         # The paper's "fraction of clipped tokens": completion tokens whose objective term was clipped.
         clipped_tokens = (out.low_clipped | out.high_clipped).float()
         metrics["gspo/clipped_token_fraction"].append(global_token_mean(clipped_tokens))
+        if self.args.delta is not None:
+            metrics["gspo/delta_clipped_token_fraction"].append(global_token_mean(out.delta_clipped.float()))
 
         log_ratio = gather(out.log_ratio.float())
         nonempty = gather(has_tokens)
@@ -356,14 +391,6 @@ class GSPOTrainer(GRPOTrainer):
         metrics["gspo/log_ratio_abs_max"].append(log_ratio.abs().max().item())
 
 
-def masked_token_mean(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    mask = mask.to(values.dtype)
-    return (values * mask).sum() / mask.sum().clamp(min=1.0)
-
-
-_warned: set[str] = set()
-
-
 def _refuse_unused_token_advantages(trainer_cls, args) -> None:
     """Only `loss_type="gspo_token"` calls `token_advantages`; an override under any other loss type would be
     silently ignored (training would run on per-sequence advantages), so refuse it at construction."""
@@ -374,12 +401,6 @@ def _refuse_unused_token_advantages(trainer_cls, args) -> None:
         f"calls; with loss_type={args.loss_type!r} the override would be silently ignored. "
         "Fix: set loss_type='gspo_token' (or remove the override)."
     )
-
-
-def _warn_once(key: str, message: str) -> None:
-    if key not in _warned:
-        _warned.add(key)
-        logger.warning(message)
 
 
 def runs_old_policy_pass(args) -> bool:
@@ -396,16 +417,14 @@ def _warn_about_setup(args) -> None:
     if not isinstance(args, GSPOConfig):
         epsilon_high = args.epsilon if args.epsilon_high is None else args.epsilon_high
         if (args.epsilon, epsilon_high) != (PAPER_EPSILON_LOW, PAPER_EPSILON_HIGH):
-            _warn_once(
-                "paper_eps",
+            logger.warning_once(
                 f"loss_type={args.loss_type!r} with TRL's GRPOConfig: clip range epsilon={args.epsilon}, "
                 f"epsilon_high={epsilon_high}. The GSPO paper uses epsilon=3e-4, epsilon_high=4e-4, beta=0 and "
                 "steps_per_generation = 4 x gradient_accumulation_steps; trl_gspo.GSPOConfig applies these "
                 "by default.",
             )
     if not runs_old_policy_pass(args):
-        _warn_once(
-            "on_policy",
+        logger.warning_once(
             f"loss_type={args.loss_type!r} with steps_per_generation={args.steps_per_generation}, "
             f"num_iterations={args.num_iterations}, gradient_accumulation_steps={args.gradient_accumulation_steps}: "
             "training is fully on-policy, so every importance ratio is exactly 1 and nothing is ever clipped "

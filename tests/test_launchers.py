@@ -1,0 +1,118 @@
+"""`accelerate_config: fsdp1 | fsdp2` (TRL's names). accelerate has no FSDP on CPU: measured with two CPU processes,
+an FSDP2 config trains as plain data parallelism (accelerate picks MULTI_CPU, `Trainer.is_fsdp_enabled` is false) and
+TRL's fsdp1.yaml fails after the model is loaded (`sync_module_states` needs a GPU). So FSDP is refused before launch
+on a machine without an accelerator, and again by every launched process that did not get FSDP."""
+
+import os
+import socket
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+import trl_gspo.launching
+import trl_gspo.recipe
+from trl_gspo.cli import main, parse_recipe
+from trl_gspo.recipe import RecipeError, launcher_type
+from trl_gspo.train import check_distributed_setup
+
+ROOT = Path(__file__).resolve().parents[1]
+RECIPE = """
+model_name_or_path: builtin:tiny-qwen3
+dataset_name: builtin:addition
+reward_funcs: [digit_match_reward]
+output_dir: {out}
+use_cpu: {use_cpu}
+bf16: false
+report_to: none
+"""
+
+
+def _recipe(tmp_path, use_cpu="true", extra=""):
+    path = tmp_path / "recipe.yaml"
+    path.write_text(textwrap.dedent(RECIPE.format(out=tmp_path / "out", use_cpu=use_cpu)) + extra)
+    return str(path)
+
+
+@pytest.fixture
+def launched(monkeypatch):
+    """The command `trl-gspo` would run, instead of running it."""
+    commands = []
+    monkeypatch.setattr(trl_gspo.launching, "run_forwarding_signals", lambda cmd, **kw: commands.append(cmd) or 0)
+    return commands
+
+
+@pytest.mark.parametrize("name", ["fsdp1", "fsdp2"])
+def test_trl_fsdp_names_resolve_to_an_fsdp_launch(tmp_path, name):
+    *_, launch, _ = parse_recipe(["--config", _recipe(tmp_path, extra=f"accelerate_config: {name}\n")])
+    assert launch[0] == "--config_file" and launch[1].endswith(f"{name}.yaml")
+    assert launcher_type(launch) == "FSDP"
+    assert launcher_type(["--use_fsdp"]) == "FSDP" and launcher_type([]) == "NO"
+
+
+@pytest.mark.parametrize("launcher", [["--accelerate_config", "fsdp1"], ["--accelerate_config", "fsdp2"],
+                                      ["--use_fsdp", "--fsdp_version", "2"]])
+def test_fsdp_without_an_accelerator_is_refused_before_launch(tmp_path, capsys, monkeypatch, launched, launcher):
+    monkeypatch.setattr(trl_gspo.recipe, "has_accelerator", lambda: False)
+    assert main(["--config", _recipe(tmp_path, use_cpu="false"), *launcher]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("trl-gspo: error: `accelerate_config`: FSDP needs a GPU") and "cpu_ddp.yaml" in err
+    assert launched == [] and not (tmp_path / "out").exists()
+    # A dry run (which validates GPU recipes on any machine) passes and says that launching here would be refused.
+    assert main(["--config", _recipe(tmp_path, use_cpu="false"), *launcher, "--dry_run", "true"]) == 0
+    assert "launching here would be refused" in capsys.readouterr().out
+
+
+def test_fsdp_with_an_accelerator_is_launched_unless_the_recipe_asks_for_cpu(tmp_path, capsys, monkeypatch, launched):
+    monkeypatch.setattr(trl_gspo.recipe, "has_accelerator", lambda: True)
+    assert main(["--config", _recipe(tmp_path, use_cpu="true"), "--accelerate_config", "fsdp2"]) == 2
+    assert "the recipe sets `use_cpu: true`" in capsys.readouterr().err
+    assert main(["--config", _recipe(tmp_path, use_cpu="false"), "--accelerate_config", "fsdp2"]) == 0
+    (command,) = launched
+    assert command[command.index("--config_file") + 1].endswith("fsdp2.yaml") and "trl_gspo.train" in command
+
+
+def test_the_launched_process_refuses_fsdp_it_did_not_get(monkeypatch):
+    """`accelerate launch -m trl_gspo.train` by hand: the FSDP flag is set, but accelerate runs on CPU."""
+    monkeypatch.setenv("ACCELERATE_USE_FSDP", "true")
+    with pytest.raises(RecipeError, match="FSDP needs a GPU.*runs on cpu"):
+        check_distributed_setup(trl_gspo.recipe.GSPOConfig(output_dir="unused", use_cpu=True, report_to="none"))
+    monkeypatch.setenv("ACCELERATE_USE_FSDP", "false")
+    check_distributed_setup(trl_gspo.recipe.GSPOConfig(output_dir="unused", use_cpu=True, report_to="none"))
+
+
+CPU_FSDP2 = """
+compute_environment: LOCAL_MACHINE
+distributed_type: FSDP
+fsdp_config:
+  fsdp_auto_wrap_policy: TRANSFORMER_BASED_WRAP
+  fsdp_reshard_after_forward: true
+  fsdp_state_dict_type: FULL_STATE_DICT
+  fsdp_version: 2
+mixed_precision: 'no'
+num_machines: 1
+num_processes: 2
+use_cpu: true
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_fsdp2_on_two_cpu_processes_is_refused_by_each(tmp_path):
+    """Two CPU processes launched by hand with an FSDP2 config: accelerate picks MULTI_CPU (no FSDP), and each
+    process stops before loading a model instead of training without FSDP. About 15 s on 2 cores."""
+    config = tmp_path / "cpu_fsdp2.yaml"
+    config.write_text(CPU_FSDP2)
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    result = subprocess.run(
+        [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(config), "--main_process_port",
+         str(port), "-m", "trl_gspo.train", "--config", _recipe(tmp_path), "--max_steps", "1"],
+        capture_output=True, text=True, timeout=300, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert result.returncode != 0
+    assert result.stderr.count("trl-gspo: error: `accelerate_config`: FSDP needs a GPU") == 2
+    assert "accelerate chose MULTI_CPU" in result.stderr
+    assert not (tmp_path / "out").exists()

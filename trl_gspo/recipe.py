@@ -1,0 +1,230 @@
+"""Recipes: the YAML + command-line keys of `trl-gspo`, parsed into TRL's dataclasses, summarized, and the dataset.
+
+Used by the command (`trl_gspo.cli`) and by the launched entry point (`trl_gspo.train`); imports neither, and no
+trainer. Recipe keys are the fields of `GSPOScriptArguments`, `GSPOConfig`, `trl.ModelConfig` and
+`trl.DatasetMixtureConfig` (exactly `trl grpo`'s keys plus GSPO's), an `env:` mapping exported before training,
+and `accelerate launch` options (`accelerate_config: zero3`, `num_processes: 8`, ...). Anything else is an error.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+
+from trl import DatasetMixtureConfig, ModelConfig, TrlParser
+from trl.scripts.grpo import GRPOScriptArguments
+
+from .config import GSPOConfig
+
+BUILTIN_PREFIX = "builtin:"
+BUILTIN_MODELS = ("tiny-qwen3-moe", "tiny-qwen3")
+BUILTIN_DATASETS = ("addition",)
+SFT_UNDER_DEEPSPEED = (
+    "`sft_steps` (the built-in SFT cold start) cannot run under DeepSpeed: accelerate allows one DeepSpeed "
+    "Accelerator per process, and the GSPO trainer needs it. Fix: cold-start once with one process or DDP "
+    "(e.g. recipes/accelerate/cpu_ddp.yaml), then launch DeepSpeed with `model_name_or_path: "
+    "<that output_dir>/initial_model` and `sft_steps: 0`."
+)
+
+
+class RecipeError(ValueError):
+    """A recipe or command line that cannot be run; the message names the key and the fix."""
+
+
+@dataclass
+class GSPOScriptArguments(GRPOScriptArguments):
+    """`trl grpo`'s script arguments, plus the supervised cold start and the end-of-run report.
+
+    `model_name_or_path: builtin:tiny-qwen3-moe` (or `builtin:tiny-qwen3`, dense) builds a tiny model and a
+    character tokenizer locally; `dataset_name: builtin:addition` is single-digit addition with a verifiable
+    answer, whose rewards are `exact_match_reward` and `digit_match_reward` (partial credit).
+    """
+
+    sft_steps: int = field(
+        default=0,
+        metadata={
+            "help": "Supervised cold-start steps (TRL SFTTrainer) on the built-in task's reference answers before RL, "
+            "as in the GSPO paper's recipe. Only with a `builtin:` dataset. 0 disables it."
+        },
+    )
+    sft_learning_rate: float = field(default=3e-3, metadata={"help": "Learning rate of the supervised cold start."})
+    sft_correct_fraction: float = field(
+        default=0.5,
+        metadata={
+            "help": "Fraction of cold-start completions that are correct (the rest are random answers), so the "
+            "cold-started policy is weak but has the answer in its support; see trl_gspo/quickstart/addition.py."
+        },
+    )
+    builtin_num_examples: int = field(
+        default=4096, metadata={"help": "Number of prompts generated for a `builtin:` dataset."}
+    )
+    plot: bool = field(
+        default=True,
+        metadata={"help": "Write `training_curves.png` (reward and clip fractions per step) to `output_dir`."},
+    )
+    dry_run: bool = field(
+        default=False,
+        metadata={"help": "Validate the recipe, print the resolved configuration and exit without training."},
+    )
+
+
+def make_parser(prog: str = "trl-gspo") -> TrlParser:
+    return TrlParser((GSPOScriptArguments, GSPOConfig, ModelConfig, DatasetMixtureConfig), prog=prog)
+
+
+def _accelerate_option_strings() -> set[str]:
+    from accelerate.commands.launch import launch_command_parser
+
+    return set(launch_command_parser()._option_string_actions)
+
+
+def parse_recipe(argv: list[str]):
+    """Parse `argv` (with `--config file.yaml`) into dataclasses.
+
+    Returns `(script_args, training_args, model_args, dataset_args, launch_args, cli_launch_tokens)`: `launch_args`
+    are the `accelerate launch` options the recipe or command line named, `cli_launch_tokens` the subsequence of
+    `argv` that holds the command line's own accelerate options. Raises `RecipeError` for unknown keys.
+    """
+    from trl.cli.accelerate_config import resolve_accelerate_config_argument
+
+    if "--config" in argv:
+        index = argv.index("--config")
+        if index + 1 >= len(argv):
+            raise RecipeError("`--config` needs a path to a YAML recipe.")
+        path = argv[index + 1]
+        if not os.path.isfile(path):
+            raise RecipeError(f"recipe file {path!r} does not exist. Fix: pass the path of a YAML recipe, "
+                              "e.g. `--config recipes/quickstart.yaml`.")
+    parser = make_parser()
+    *dataclasses, config_remaining, cli_remaining = parser.parse_args_and_config(
+        argv, return_remaining_strings=True, separate_remaining_strings=True
+    )
+    known = _accelerate_option_strings()
+    for source, remaining in (("recipe", config_remaining), ("command line", cli_remaining)):
+        for token in remaining:
+            if token.startswith("--") and token.split("=", 1)[0] not in known | {"--accelerate_config"}:
+                key = token[2:].split("=", 1)[0]
+                raise RecipeError(
+                    f"unknown key `{key}` in the {source}: it is neither a GSPOConfig / ModelConfig / script field "
+                    "nor an `accelerate launch` option. Fix: check its spelling against `trl-gspo --help` "
+                    "(or remove it)."
+                )
+    if "--config" in argv:  # a recipe's relative accelerate_config path is relative to the recipe file
+        config_remaining = _relative_to_recipe(config_remaining, os.path.dirname(argv[argv.index("--config") + 1]))
+    try:
+        launch_args = resolve_accelerate_config_argument(config_remaining + cli_remaining)
+    except ValueError as err:
+        raise RecipeError(f"`accelerate_config`: {err}") from None
+    return (*dataclasses, launch_args, cli_remaining)
+
+
+def _relative_to_recipe(tokens: list[str], recipe_dir: str) -> list[str]:
+    tokens = list(tokens)
+    if "--accelerate_config" in tokens[:-1]:
+        index = tokens.index("--accelerate_config") + 1
+        candidate = os.path.join(recipe_dir, tokens[index])
+        if not os.path.isfile(tokens[index]) and os.path.isfile(candidate):
+            tokens[index] = candidate
+    return tokens
+
+
+def describe(script_args, training_args, model_args, dataset_args, launch_args) -> str:
+    """A short, human-readable summary of the resolved run."""
+    args = training_args
+    lines = [
+        f"model:          {model_args.model_name_or_path}",
+        f"dataset:        {script_args.dataset_name or [d.path for d in (dataset_args.datasets or [])]}",
+        f"reward_funcs:   {script_args.reward_funcs}",
+        f"loss_type:      {args.loss_type}  (epsilon={args.epsilon}, epsilon_high={args.epsilon_high}, "
+        f"beta={args.beta}, importance_sampling_level={args.importance_sampling_level})",
+        f"batch:          per_device_train_batch_size={args.per_device_train_batch_size}, "
+        f"gradient_accumulation_steps={args.gradient_accumulation_steps}, "
+        f"steps_per_generation={args.steps_per_generation}, num_generations={args.num_generations}, "
+        f"num_iterations={args.num_iterations}",
+        f"peft:           {'LoRA r=%s targets=%s' % (model_args.lora_r, model_args.lora_target_modules) if model_args.use_peft else 'off'}",
+        f"output_dir:     {args.output_dir}",
+        f"accelerate:     {' '.join(launch_args) or '(defaults)'}",
+    ]
+    if script_args.sft_steps:
+        lines.insert(3, f"sft cold start: {script_args.sft_steps} steps at lr {script_args.sft_learning_rate}")
+    return "\n".join(lines)
+
+
+def load_dataset(script_args, dataset_args):
+    """The dataset as `trl grpo` loads it (a `DatasetMixtureConfig` through TRL's `get_dataset`, else
+    `datasets.load_dataset(dataset_name)`), plus the built-in `builtin:addition`."""
+    name = script_args.dataset_name
+    if name and name.startswith(BUILTIN_PREFIX):
+        from datasets import DatasetDict
+
+        from .quickstart import addition
+
+        if name[len(BUILTIN_PREFIX):] not in BUILTIN_DATASETS:
+            raise RecipeError(f"`dataset_name`: unknown built-in {name!r}. Fix: use one of "
+                              f"{[BUILTIN_PREFIX + d for d in BUILTIN_DATASETS]}.")
+        return DatasetDict({
+            script_args.dataset_train_split: addition.make_rl_dataset(script_args.builtin_num_examples, seed=0),
+            script_args.dataset_test_split: addition.make_rl_dataset(256, seed=1),
+        })
+    if dataset_args.datasets:
+        from trl import get_dataset
+
+        return get_dataset(dataset_args)
+    if name:
+        import datasets
+
+        return datasets.load_dataset(name, name=script_args.dataset_config, streaming=script_args.dataset_streaming)
+    raise RecipeError("no dataset: set `dataset_name` (e.g. builtin:addition or a hub id) or `datasets`.")
+
+
+FSDP_WITHOUT_ACCELERATOR = (
+    "`accelerate_config`: FSDP needs a GPU (or another accelerator), and {why}: accelerate has no FSDP on CPU and "
+    "would train two CPU processes with plain data parallelism instead, or fail after loading the model (measured, "
+    "see docs/recipes.md). Fix: on CPU use recipes/accelerate/cpu_ddp.yaml, or cpu_zero3.yaml to shard the "
+    "weights; keep fsdp1/fsdp2 for GPU machines."
+)
+
+
+def has_accelerator() -> bool:
+    """A device accelerate can run FSDP on (CUDA, XPU, NPU, ...; not Apple's MPS)."""
+    import torch
+
+    return torch.accelerator.is_available() and torch.accelerator.current_accelerator().type != "mps"
+
+
+def launcher_type(launch_args: list[str]) -> str:
+    """The `distributed_type` the `accelerate launch` options select: DEEPSPEED, FSDP, MULTI_GPU, NO, ..."""
+    from accelerate.commands.launch import launch_command_parser
+
+    options = launch_command_parser().parse_args(launch_args + ["--module", "trl_gspo.train"])
+    if options.use_deepspeed:
+        return "DEEPSPEED"
+    if options.use_fsdp:
+        return "FSDP"
+    if options.config_file and os.path.isfile(options.config_file):
+        import yaml
+
+        with open(options.config_file) as handle:
+            return str((yaml.safe_load(handle) or {}).get("distributed_type", "NO")).upper()
+    return "NO"
+
+
+def check_launch(script_args, training_args, launch_args: list[str], dry_run: bool = False) -> list[str]:
+    """Refuse (`RecipeError`) a launcher the recipe cannot run on; returns notes for a dry run.
+
+    A dry run validates a GPU recipe on a machine without one, so what only the launch machine can decide (is there
+    an accelerator for FSDP) is a note there and an error at launch.
+    """
+    notes = []
+    distributed_type = launcher_type(launch_args)
+    if distributed_type == "DEEPSPEED" and script_args.sft_steps > 0:
+        raise RecipeError(SFT_UNDER_DEEPSPEED)
+    if distributed_type == "FSDP":
+        if training_args.use_cpu and has_accelerator():
+            raise RecipeError(FSDP_WITHOUT_ACCELERATOR.format(why="the recipe sets `use_cpu: true`"))
+        if not has_accelerator():
+            message = FSDP_WITHOUT_ACCELERATOR.format(why="this machine has none")
+            if not dry_run:
+                raise RecipeError(message)
+            notes.append(f"(launching here would be refused: {message})")
+    return notes
