@@ -11,7 +11,7 @@ import sys
 import time
 
 from .recipe import (BUILTIN_MODELS, BUILTIN_PREFIX, FSDP_WITHOUT_ACCELERATOR, SFT_UNDER_DEEPSPEED, RecipeError,
-                     describe, load_dataset, parse_recipe)
+                     check_dataset_size, check_recipe, describe, load_dataset, parse_recipe)
 from .rewards import resolve_rewards
 
 
@@ -88,16 +88,20 @@ def run(script_args, training_args, model_args, dataset_args) -> "GSPOTrainer": 
     from .reporting import RunReportCallback
     from .trainer import GSPOTrainer
 
-    if script_args.sft_steps and not (script_args.dataset_name or "").startswith(BUILTIN_PREFIX):
-        raise RecipeError("`sft_steps` needs a `builtin:` dataset (it trains on the task's reference answers). "
-                          "Fix: set sft_steps: 0, or cold-start your model with `trl sft` first.")
+    check_recipe(script_args, training_args, model_args, dataset_args, probe_dataset=False)
     check_distributed_setup(training_args)
     rewards = resolve_rewards(script_args)
     dataset = load_dataset(script_args, dataset_args)
+    if script_args.dataset_train_split not in dataset:
+        raise RecipeError(f"`dataset_train_split`: the dataset has no split {script_args.dataset_train_split!r} "
+                          f"(it has {sorted(dataset)}). Fix: set dataset_train_split to one of them.")
+    train_dataset = dataset[script_args.dataset_train_split]
+    if hasattr(train_dataset, "__len__"):  # exact here: generation_batch_size counts every launched process
+        from accelerate import PartialState
+
+        check_dataset_size(len(train_dataset), training_args, script_args, PartialState().num_processes, launched=True)
 
     model = model_args.model_name_or_path
-    if model is None:
-        raise RecipeError("`model_name_or_path` is not set. Fix: builtin:tiny-qwen3-moe, a hub id or a local path.")
     if model.startswith(BUILTIN_PREFIX):
         model = _prepare_builtin_model(script_args, training_args, model_args)
     model_init_kwargs = dict(revision=model_args.model_revision, trust_remote_code=training_args.trust_remote_code,
@@ -109,7 +113,7 @@ def run(script_args, training_args, model_args, dataset_args) -> "GSPOTrainer": 
         model=model,
         reward_funcs=rewards,
         args=training_args,
-        train_dataset=dataset[script_args.dataset_train_split],
+        train_dataset=train_dataset,
         eval_dataset=dataset[script_args.dataset_test_split] if training_args.eval_strategy != "no" else None,
         quantization_config=get_quantization_config(model_args),
         peft_config=get_peft_config(model_args),
