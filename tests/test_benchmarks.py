@@ -40,3 +40,28 @@ def test_reproduction_runs_all_arms_and_reports(tmp_path):
     table = (tmp_path / "results.md").read_text()
     assert all(f"| {arm} | 1 |" in table for arm in ("gspo", "grpo", "grpo_rr"))
     assert (tmp_path / "curves.png").stat().st_size > 10_000
+
+
+def test_moe_mechanism_quick_measures_route_changes(tmp_path):
+    import json
+
+    lines = _run(BENCHMARKS / "moe_mechanism.py", "--quick", "--out", tmp_path)
+    assert re.fullmatch(r"moe_mechanism: \d+\.\d+", lines[-1]), lines[-1]
+    assert any(line.startswith("| float32 vs bfloat16") for line in lines)
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    setting = summary["settings"][0]
+    assert setting["on_policy_max"] < 1e-5  # before any update the measurement itself moves nothing
+    assert 0 < setting["changed_token_share"] < 1 and setting["tokens"] > 50
+    assert (tmp_path / "cache").is_dir()  # pretrained weights are cached for re-runs
+
+
+def test_moe_stress_quick_runs_three_arms_and_writes_raw_data(tmp_path):
+    import json
+
+    lines = _run(BENCHMARKS / "moe_stress.py", "--quick", "--jobs", "1", "--out", tmp_path, "--cache",
+                 tmp_path / "cache")
+    assert re.fullmatch(r"moe_stress: collapsed gspo \d/1, grpo \d/1, grpo_rr \d/1 \(3 runs, \d+s\)", lines[-1])
+    runs = [json.loads(line) for line in (tmp_path / "runs.jsonl").read_text().splitlines()]
+    assert [r["arm"] for r in runs] == ["gspo", "grpo", "grpo_rr"]
+    assert all(r["drift"] > 0 for r in runs)  # updates moved routes, and every arm measured it
+    assert (tmp_path / "curves.png").stat().st_size > 10_000

@@ -54,6 +54,38 @@ def test_gspo_matches_trl_sequence_level_grpo(tmp_path, tokenizer, gradient_accu
                 assert ours_h[key] == pytest.approx(trl_h[key])
 
 
+def test_gspo_with_the_loss_options_on_trains_like_trl(tmp_path, tokenizer):
+    """Every loss-shaping option at once (KL with bias correction, top-entropy masking, adaptive entropy bonus,
+    two-sided clipping, off-policy sequence mask, MoE aux loss), off-policy with gradient accumulation: gspo trains
+    exactly as TRL's sequence-level 'grpo' (losses, gradient norms, weights, every TRL metric)."""
+    options = dict(beta=0.04, use_bias_correction_kl=True, top_entropy_quantile=0.8, entropy_coef=0.01,
+                   use_adaptive_entropy=True, entropy_target=1e3, delta=1.0008, off_policy_mask_threshold=0.1,
+                   steps_per_generation=4, gradient_accumulation_steps=2, per_device_train_batch_size=4, max_steps=2)
+    ours_cfg = tiny_config(tmp_path / "ours", loss_type="gspo", **options)
+    trl_cfg = tiny_config(tmp_path / "trl", config_cls=GRPOConfig, loss_type="grpo",
+                          importance_sampling_level="sequence", epsilon=3e-4, epsilon_high=4e-4, **options)
+    path = tmp_path / "base"
+    build_model(tokenizer, seed=0).save_pretrained(path)  # TRL loads the reference model (beta > 0) from a path
+    ours, ours_losses = _train(GSPOTrainer, str(path), ours_cfg, tokenizer)
+    theirs, trl_losses = _train(GRPOTrainer, str(path), trl_cfg, tokenizer)
+    assert ours.aux_loss_enabled and len(ours_losses) == 2
+    for (loss, grad_norm), (ref_loss, ref_grad_norm) in zip(ours_losses, trl_losses, strict=True):
+        assert loss == pytest.approx(ref_loss, abs=1e-6, rel=1e-5)
+        assert grad_norm == pytest.approx(ref_grad_norm, abs=1e-6, rel=1e-5)
+    for name, value in _params(ours.model).items():
+        torch.testing.assert_close(value, _params(theirs.model)[name], rtol=1e-5, atol=1e-6)
+    history, trl_history = ours.state.log_history, theirs.state.log_history
+    for ours_h, trl_h in zip(history, trl_history, strict=True):
+        assert set(trl_h) - {"step_time"} <= set(ours_h)
+        for key in set(trl_h) - {"step_time", "train_runtime", "train_samples_per_second", "train_steps_per_second"}:
+            assert ours_h[key] == pytest.approx(trl_h[key], rel=1e-5, abs=1e-6), key
+    # The options were live: the controller moved, the KL and the clipping are non-zero. (delta rarely binds here:
+    # negative-advantage sequences become less likely; test_loss_parity_with_trl_features[delta] makes it bind.)
+    assert [h["entropy_coef"] for h in history if "entropy_coef" in h] == pytest.approx([0.015, 0.02])
+    assert max(h["kl"] for h in history if "kl" in h) > 0
+    assert max(h.get("clip_ratio/region_mean", 0) for h in history) > 0
+
+
 def test_gspo_token_trains_like_gspo(tmp_path, tokenizer):
     results = {}
     for loss_type in ("gspo", "gspo_token"):
@@ -119,7 +151,11 @@ FEATURES = {
     "entropy_bonus": {"entropy_coef": 0.01},
     "mask_truncated": {"mask_truncated_completions": True},
     "delta": {"delta": 1.001},
+    "adaptive_entropy": {"use_adaptive_entropy": True, "entropy_coef": 0.01, "entropy_target": 1e3},
 }
+# Metrics gspo logs that TRL's "grpo" does not (TRL logs policy_loss only with an entropy bonus); see docs/metrics.md.
+GSPO_ONLY_METRICS = {"policy_loss", "gspo/clipped_token_fraction", "gspo/delta_clipped_token_fraction",
+                     "gspo/ratio_mean", "gspo/ratio_std", "gspo/ratio_min", "gspo/ratio_max", "gspo/log_ratio_abs_max"}
 
 
 @pytest.fixture(scope="module")
@@ -177,6 +213,7 @@ def test_loss_parity_with_trl_features(trainer_pair, tokenizer, feature):
         inputs["importance_sampling_ratio"] = 0.5 + torch.rand(shape, generator=g)
     for trainer in (ours, theirs):
         _configure(trainer, **options)
+        trainer._metrics["train"].clear()
     inputs = _with_real_old_logps(ours, inputs, scale=1e-3, offsets=DELTA_OFFSETS if "delta" in options else OFFSETS)
     loss, grads = _loss_and_grads(ours, inputs)
     ref_loss, ref_grads = _loss_and_grads(theirs, inputs)
@@ -191,6 +228,12 @@ def test_loss_parity_with_trl_features(trainer_pair, tokenizer, feature):
         assert metrics["kl"][-1] > 0
     if options.get("delta"):  # sequence 1 (1 of 22 completion tokens) are capped: the test can tell
         assert metrics["gspo/delta_clipped_token_fraction"][-1] == pytest.approx(1 / 22)
+    # Every metric TRL logs for its "grpo" loss is logged for gspo under the same name, with the same value.
+    trl_metrics = theirs._metrics["train"]
+    assert set(trl_metrics) <= set(metrics)
+    assert set(metrics) - set(trl_metrics) <= GSPO_ONLY_METRICS
+    for name, values in trl_metrics.items():
+        assert metrics[name] == pytest.approx(values, rel=1e-5, abs=1e-7), name
 
 
 @pytest.mark.parametrize("top_entropy", [1.0, 0.5])

@@ -14,6 +14,45 @@ GSPO_LOSS_TYPES = ("gspo", "gspo_token")
 # Loss types TRL 1.16 implements itself; GSPOTrainer hands these to `GRPOTrainer._compute_loss` untouched.
 TRL_LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "luspo", "vespo")
 
+# Every field TRL's `GRPOConfig` adds to `transformers.TrainingArguments`, sorted by what gspo types do with it.
+# tests/test_trl_contract.py fails when TRL adds, removes or renames one, until it is placed here (docs/trl_contract.md).
+GSPO_LOSS_FIELDS = (
+    # Shape the policy loss; gspo types honour each as TRL's sequence-level "grpo" does (parity-tested).
+    "loss_type", "epsilon", "epsilon_high", "delta", "beta", "use_bias_correction_kl", "importance_sampling_level",
+    "top_entropy_quantile", "entropy_coef", "use_adaptive_entropy", "entropy_coef_min", "entropy_coef_max",
+    "entropy_coef_delta", "entropy_target", "off_policy_mask_threshold", "router_aux_loss_coef",
+    "vllm_importance_sampling_correction", "vllm_importance_sampling_mode", "vllm_importance_sampling_clip_max",
+    "vllm_importance_sampling_clip_min", "vllm_importance_sampling_cap",
+    # Decide what reaches the loss (old-policy pass, masks), applied by TRL before `_compute_loss` for every type.
+    "steps_per_generation", "generation_batch_size", "num_iterations", "mask_truncated_completions",
+    "cast_lm_head_to_fp32",
+)
+OTHER_LOSS_TYPE_FIELDS = (
+    # Parameters of other TRL loss types only; gspo types do not read them.
+    "sapo_temperature_neg", "sapo_temperature_pos", "vespo_k_pos", "vespo_lambda_pos", "vespo_k_neg",
+    "vespo_lambda_neg",
+)
+NON_LOSS_FIELDS = (
+    # Model loading and the reference model (TRL's own code, any loss type).
+    "model_init_kwargs", "trust_remote_code", "disable_dropout", "sync_ref_model", "ref_model_mixup_alpha",
+    "ref_model_sync_steps",
+    # Data, generation and tools.
+    "shuffle_dataset", "pad_to_multiple_of", "num_generations", "num_generations_eval", "max_completion_length",
+    "ds3_gather_for_generation", "temperature", "top_p", "top_k", "min_p", "generation_kwargs",
+    "chat_template_kwargs", "repetition_penalty", "cache_implementation", "max_tool_calling_iterations",
+    "use_transformers_continuous_batching", "transformers_continuous_batching_config", "use_transformers_paged",
+    # vLLM engine and server.
+    "use_vllm", "vllm_mode", "vllm_model_impl", "vllm_enable_sleep_mode", "vllm_structured_outputs_regex",
+    "vllm_server_base_url", "vllm_server_host", "vllm_server_port", "vllm_server_timeout", "vllm_group_port",
+    "vllm_gpu_memory_utilization", "vllm_max_model_length", "vllm_tensor_parallel_size",
+    # Rewards and advantages: computed by TRL in `_generate_and_score_completions`, identically for every loss type.
+    "reward_weights", "multi_objective_aggregation", "scale_rewards",
+    # Logging.
+    "log_completions", "log_multimodal", "num_completions_to_print", "log_unique_prompts", "log_completions_hub_repo",
+)
+# Fields `GSPOConfig` adds to `GRPOConfig`.
+GSPO_CONFIG_FIELDS = ("routing_replay", "routing_replay_offload")
+
 # GSPO paper (arXiv 2507.18071), Section 5.1: clip range 3e-4 / 4e-4, no KL term, and each rollout batch
 # split into 4 mini-batches for gradient updates.
 PAPER_EPSILON_LOW = 3e-4

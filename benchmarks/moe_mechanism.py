@@ -1,0 +1,455 @@
+"""Why token ratios break on Mixture-of-Experts: measured per token after real off-policy updates.
+
+The GSPO paper's argument (section 5.3) is mechanical: after a gradient update some tokens are routed to other
+experts, their token ratio r_t = pi_theta(y_t) / pi_old(y_t) jumps, GRPO's per-token clipping and weighting then
+act on routing noise, the sequence ratio s_i = exp(mean_t log r_t) (GSPO, eq. 7) averages it out, and routing
+replay removes it. This script measures each step of that argument on a small MoE whose experts have specialised:
+
+1. A Qwen3-MoE (4 layers, 32 experts top-4 or 64 experts top-8, routers initialised wider than transformers'
+   default) is trained as a language model on addition strings ("12+34 5+67 80+9=46 72 89") so that experts
+   specialise. Trained weights are cached under outputs/moe_mechanism/cache/ (gitignored), so re-runs skip this.
+2. RL in the paper's off-policy setup: each rollout batch (16 prompts x 8 samples, reward = digits right per sum,
+   group-normalised advantages) is scored once by the old policy (routes recorded), then split into 4
+   mini-batches trained one after the other with token-level GRPO (eps 0.2 / 0.27), Adam. Before mini-batch j is
+   trained, it is scored by the current weights twice: with natural routing (routes recorded) and with the old
+   policy's routes replayed (`routing_replay="old"`). Mini-batches 1-3 are off-policy by 1-3 updates.
+3. Per completion token y_t: did its route change, i.e. the expert set of the position whose output scores y_t,
+   in any MoE layer (`trl_gspo.routing.route_changes`); |log r_t| with natural routing and under replay; its
+   sequence's |log s_i|; and whether GRPO clips it (r_t outside [0.8, 1.27] on the side its advantage pushes).
+4. The second source, with no weight change at all: the same weights scored on two numeric paths (float32 vs
+   bfloat16, and a different batch composition and padding), as an inference engine and a trainer differ.
+
+    python benchmarks/moe_mechanism.py           # full sweep, ~10 min on 2 cores the first time (cache: faster)
+    python benchmarks/moe_mechanism.py --quick   # seconds, a smoke test
+
+Prints markdown tables (for docs/results.md and docs/moe_evidence.md) and, last, the headline
+`moe_mechanism: <mean |log r_t| of route-changed / unchanged tokens>` for the headline configuration.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import hashlib
+import json
+import math
+import random
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+GRPO_LOW, GRPO_HIGH = 0.2, 0.27  # the paper's tuned GRPO clip range: r_t in [0.8, 1.27]
+GSPO_LOW, GSPO_HIGH = 3e-4, 4e-4  # GSPO's clip range on s_i
+N_SUMS = 3  # sums per prompt: completions are ~10 tokens ("46 72 89<eos>")
+
+MODELS = {  # (experts, top-k) -> overrides of trl_gspo/quickstart/tiny_qwen3_moe.json
+    (e, k): dict(hidden_size=128, intermediate_size=256, moe_intermediate_size=32, num_hidden_layers=4,
+                 num_attention_heads=4, num_key_value_heads=2, head_dim=32, num_experts=e, num_experts_per_tok=k,
+                 router_aux_loss_coef=0.0, experts_implementation="grouped_mm")
+    for e, k in ((8, 2), (32, 4), (64, 8))
+}
+QUICK_MODEL = dict(MODELS[(8, 2)], num_hidden_layers=2, hidden_size=64, head_dim=16)
+
+
+@dataclass(frozen=True)
+class Setting:
+    experts: int
+    top_k: int
+    lr: float
+
+    @property
+    def name(self) -> str:
+        return f"{self.experts} experts top-{self.top_k}, lr {self.lr:g}"
+
+
+# The headline setting first; then the drift sweep.
+FULL_SWEEP = [Setting(64, 8, 3e-4), Setting(64, 8, 1e-4), Setting(64, 8, 1e-3),
+              Setting(32, 4, 1e-4), Setting(32, 4, 3e-4), Setting(32, 4, 1e-3), Setting(8, 2, 3e-4)]
+
+
+# ---------------------------------------------------------------------------------------------------- the task
+def make_problem(rng: random.Random) -> tuple[str, str]:
+    pairs = [(rng.randint(0, 99), rng.randint(0, 99)) for _ in range(N_SUMS)]
+    return " ".join(f"{a}+{b}" for a, b in pairs) + "=", " ".join(str(a + b) for a, b in pairs)
+
+
+def reward(completion: str, answer: str) -> float:
+    """Partial credit: per sum, the fraction of its digits right (position by position), averaged over the sums."""
+    got, want = completion.split(), answer.split()
+    got += [""] * (len(want) - len(got))
+    return sum(sum(a == b for a, b in zip(g, w)) / max(len(g), len(w)) for g, w in zip(got, want)) / len(want)
+
+
+def _positions(mask: torch.Tensor) -> torch.Tensor:
+    # Explicit position ids from the attention mask, so that extra left padding changes only the numerics.
+    return (mask.long().cumsum(-1) - 1).clamp(min=0)
+
+
+def pretrain(overrides: dict, steps: int, cache: Path, log) -> torch.nn.Module:
+    """Language-model training on addition strings, so the experts specialise. Cached by config."""
+    from transformers import AutoModelForCausalLM
+
+    from trl_gspo.quickstart.model import build_model
+    from trl_gspo.quickstart.tokenizer import EOS_TOKEN, build_tokenizer
+
+    key = hashlib.sha256(json.dumps([overrides, steps, N_SUMS, "v1"], sort_keys=True).encode()).hexdigest()[:12]
+    folder = cache / key
+    if (folder / "done").exists():
+        return AutoModelForCausalLM.from_pretrained(folder, experts_implementation=overrides["experts_implementation"])
+    tokenizer = build_tokenizer()
+    torch.manual_seed(0)
+    model = build_model(tokenizer, config_overrides=overrides, seed=0)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.0)
+    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / 20))
+    rng = random.Random(0)
+    started = time.perf_counter()
+    for step in range(steps):
+        texts = [p + a + EOS_TOKEN for p, a in (make_problem(rng) for _ in range(64))]
+        batch = tokenizer(texts, return_tensors="pt", padding=True)
+        labels = batch["input_ids"].masked_fill(batch["attention_mask"] == 0, -100)
+        loss = model(**batch, position_ids=_positions(batch["attention_mask"]), labels=labels).loss
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        schedule.step()
+        optimizer.zero_grad()
+    log(f"pretrained {overrides['num_experts']} experts top-{overrides['num_experts_per_tok']}: {steps} steps, "
+        f"final LM loss {loss.item():.3f}, {time.perf_counter() - started:.0f}s (cached in {folder})")
+    model.save_pretrained(folder)
+    (folder / "done").write_text("")
+    return model
+
+
+# ---------------------------------------------------------------------------------------------------- RL pieces
+@torch.no_grad()
+def rollout(model, tokenizer, rng: random.Random, prompts: int, group: int, max_new: int = 14) -> dict:
+    problems = [make_problem(rng) for _ in range(prompts)]
+    texts = [p for p, _ in problems for _ in range(group)]
+    answers = [a for _, a in problems for _ in range(group)]
+    enc = tokenizer(texts, return_tensors="pt", padding=True)
+    model.eval()
+    out = model.generate(**enc, do_sample=True, temperature=1.0, top_k=0, top_p=1.0, max_new_tokens=max_new,
+                         pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id)
+    prompt_len = enc["input_ids"].shape[1]
+    completion = out[:, prompt_len:]
+    is_eos = completion == tokenizer.eos_token_id
+    # completion tokens up to and including the first <eos>
+    completion_mask = (is_eos.long().cumsum(-1) - is_eos.long()) == 0
+    completion = completion.masked_fill(~completion_mask, tokenizer.pad_token_id)
+    rewards = torch.tensor([reward(tokenizer.decode(c[m], skip_special_tokens=True), a)
+                            for c, m, a in zip(completion, completion_mask, answers)])
+    grouped = rewards.view(prompts, group)
+    advantages = ((grouped - grouped.mean(1, keepdim=True)) / (grouped.std(1, keepdim=True) + 1e-4)).view(-1)
+    attention_mask = torch.cat([enc["attention_mask"], completion_mask.long()], dim=1)
+    return dict(input_ids=torch.cat([enc["input_ids"], completion], dim=1), attention_mask=attention_mask,
+                completion_mask=completion_mask, prompt_len=prompt_len, rewards=rewards, advantages=advantages)
+
+
+def token_logps(model, batch: dict, rows=slice(None)) -> torch.Tensor:
+    """log pi(y_t) of every completion token, [rows, completion_len] (padding positions hold garbage)."""
+    ids, mask = batch["input_ids"][rows], batch["attention_mask"][rows]
+    logits = model(input_ids=ids, attention_mask=mask, position_ids=_positions(mask)).logits
+    start = batch["prompt_len"]
+    scoring = logits[:, start - 1:-1].float().log_softmax(-1)  # position t-1 scores token t
+    return scoring.gather(-1, ids[:, start:, None]).squeeze(-1)
+
+
+def scoring_routes(indices: torch.Tensor, prompt_len: int) -> torch.Tensor:
+    """The routes of the positions whose outputs score the completion tokens (position t-1 for token t)."""
+    return indices[:, prompt_len - 1:-1]
+
+
+def grpo_step(model, optimizer, batch: dict, rows: slice, old_logps: torch.Tensor) -> None:
+    """One token-level GRPO update (eq. 2 of the GSPO paper, eps 0.2 / 0.27, tokens averaged over the batch)."""
+    model.train()
+    mask = batch["completion_mask"][rows].float()
+    log_ratio = token_logps(model, batch, rows) - old_logps[rows]
+    ratio = log_ratio.exp()
+    advantage = batch["advantages"][rows, None]
+    objective = torch.minimum(ratio * advantage, ratio.clamp(1 - GRPO_LOW, 1 + GRPO_HIGH) * advantage)
+    loss = -(objective * mask).sum() / mask.sum()
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    optimizer.step()
+    optimizer.zero_grad()
+
+
+def measure_updates(model, tokenizer, lr: float, rollouts: int, prompts: int, group: int, minibatches: int,
+                    seed: int) -> dict:
+    """Run the off-policy RL loop and return per-token tensors for the off-policy mini-batches."""
+    from trl_gspo.routing import RoutingReplay, route_changes
+
+    model = copy.deepcopy(model)
+    rr = RoutingReplay(model)
+    optimizer = torch.optim.Adam(model.parameters(), lr=lr)
+    rng = random.Random(seed)
+    torch.manual_seed(seed)
+    rows_per_mb = prompts * group // minibatches
+    parts: dict[str, list] = {k: [] for k in ("changed", "layers_changed", "log_r", "log_r_replay", "log_s",
+                                              "log_s_replay", "advantage", "seq_id", "on_policy_max", "lag")}
+    sequences = 0
+    for _ in range(rollouts):
+        batch = rollout(model, tokenizer, rng, prompts, group)
+        start = batch["prompt_len"]
+        model.eval()
+        with torch.no_grad(), rr.record() as old:
+            old_logps = token_logps(model, batch)
+        for j in range(minibatches):
+            rows = slice(j * rows_per_mb, (j + 1) * rows_per_mb)
+            mask = batch["completion_mask"][rows]
+            model.eval()
+            with torch.no_grad():
+                with rr.record() as now:
+                    log_r = token_logps(model, batch, rows) - old_logps[rows]
+                with rr.replay(old.indices[rows]):
+                    log_r_replay = token_logps(model, batch, rows) - old_logps[rows]
+            if j == 0:  # on-policy: nothing moved yet, a check that the measurement itself adds no noise
+                parts["on_policy_max"].append(float(log_r[mask].abs().max()))
+                parts["on_policy_max"].append(float(route_changes(now.indices, old.indices[rows]).any()))
+            else:
+                per_layer = route_changes(scoring_routes(now.indices, start),
+                                          scoring_routes(old.indices[rows], start), per_layer=True)
+                counts = mask.sum(-1, keepdim=True)
+                log_s = ((log_r * mask).sum(-1, keepdim=True) / counts).expand_as(log_r)
+                log_s_replay = ((log_r_replay * mask).sum(-1, keepdim=True) / counts).expand_as(log_r)
+                seq_ids = torch.arange(sequences, sequences + mask.shape[0])[:, None].expand_as(log_r)
+                for key, value in (("changed", per_layer.any(-1)), ("layers_changed", per_layer.sum(-1)),
+                                   ("log_r", log_r), ("log_r_replay", log_r_replay), ("log_s", log_s),
+                                   ("log_s_replay", log_s_replay),
+                                   ("advantage", batch["advantages"][rows, None].expand_as(log_r)),
+                                   ("seq_id", seq_ids), ("lag", torch.full_like(seq_ids, j))):
+                    parts[key].append(value[mask])
+                sequences += mask.shape[0]
+            grpo_step(model, optimizer, batch, rows, old_logps)
+    out = {k: torch.cat(v) for k, v in parts.items() if k != "on_policy_max"}
+    out["on_policy_max"] = max(parts["on_policy_max"])
+    out["layers"] = len(rr.routers)
+    return out
+
+
+# ---------------------------------------------------------------------------------------------------- statistics
+def _dist(values: torch.Tensor) -> dict:
+    v = values.double()
+    if v.numel() == 0:
+        return dict(n=0, mean=float("nan"), p50=float("nan"), p99=float("nan"), outside=float("nan"))
+    outside = ((v.exp() < 1 - GRPO_LOW) | (v.exp() > 1 + GRPO_HIGH)).double().mean()
+    a = v.abs()
+    return dict(n=int(v.numel()), mean=float(a.mean()), p50=float(a.quantile(0.5)), p99=float(a.quantile(0.99)),
+                outside=float(outside))
+
+
+def summarize(t: dict) -> dict:
+    changed = t["changed"]
+    clipped = ((t["advantage"] > 0) & (t["log_r"].exp() > 1 + GRPO_HIGH)) | \
+              ((t["advantage"] < 0) & (t["log_r"].exp() < 1 - GRPO_LOW))
+    first = torch.ones_like(changed)  # one entry per sequence for the sequence statistics
+    first[1:] = t["seq_id"][1:] != t["seq_id"][:-1]
+    log_s, log_s_replay = t["log_s"][first], t["log_s_replay"][first]
+    seq_outside = ((log_s.exp() < 1 - GSPO_LOW) | (log_s.exp() > 1 + GSPO_HIGH)).double().mean()
+    result = dict(
+        tokens=int(changed.numel()),
+        changed_token_share=float(changed.double().mean()),
+        changed_token_layer_share=float(t["layers_changed"].double().sum() / (changed.numel() * t["layers"])),
+        natural=dict(changed=_dist(t["log_r"][changed]), unchanged=_dist(t["log_r"][~changed]),
+                     all=_dist(t["log_r"])),
+        replay=dict(changed=_dist(t["log_r_replay"][changed]), unchanged=_dist(t["log_r_replay"][~changed]),
+                    all=_dist(t["log_r_replay"])),
+        clipped_share=float(clipped.double().mean()),
+        clipped_route_changed=float(changed[clipped].double().mean()) if clipped.any() else float("nan"),
+        mean_abs_log_s=float(log_s.abs().mean()), mean_abs_log_s_replay=float(log_s_replay.abs().mean()),
+        seq_outside_gspo=float(seq_outside),
+        on_policy_max=t["on_policy_max"],  # max |log r_t| (and 1.0 if any route changed) before any update
+    )
+    for arm in ("natural", "replay"):
+        d = result[arm]
+        d["ratio"] = d["changed"]["mean"] / d["unchanged"]["mean"] if d["unchanged"]["mean"] > 0 else float("nan")
+    return result
+
+
+@torch.no_grad()
+def numeric_paths(model, tokenizer, prompts: int, group: int, seed: int) -> list[dict]:
+    """Same weights, two numeric paths: route flips and log-ratio sizes, with no weight change at all."""
+    from trl_gspo.routing import RoutingReplay, route_changes
+
+    batch = rollout(model, tokenizer, random.Random(seed + 1000), prompts, group)
+    start, mask = batch["prompt_len"], batch["completion_mask"]
+    rows = mask.shape[0]
+
+    def score(m, b, replay_indices=None):
+        rr = RoutingReplay(m)
+        m.eval()
+        if replay_indices is not None:
+            with rr.replay(replay_indices):
+                return token_logps(m, b), None
+        with rr.record() as rec:
+            logps = token_logps(m, b)
+        return logps, rec.indices
+
+    def recomposed(b, extra_pad: int, order: torch.Tensor):
+        """Rows in another order, with `extra_pad` more left-padding columns."""
+        ids = torch.nn.functional.pad(b["input_ids"][order], (extra_pad, 0), value=tokenizer.pad_token_id)
+        am = torch.nn.functional.pad(b["attention_mask"][order], (extra_pad, 0), value=0)
+        return dict(input_ids=ids, attention_mask=am, prompt_len=b["prompt_len"] + extra_pad)
+
+    def chunked(m, b, chunk):  # scored `chunk` rows at a time
+        logps, indices = [], []
+        for i in range(0, b["input_ids"].shape[0], chunk):
+            part = dict(b, input_ids=b["input_ids"][i:i + chunk], attention_mask=b["attention_mask"][i:i + chunk])
+            lp, ind = score(m, part)
+            logps.append(lp)
+            indices.append(ind[:, -(b["input_ids"].shape[1] - b["prompt_len"] + 1):])  # completion-scoring span
+        return torch.cat(logps), torch.cat(indices)
+
+    def row(name, logps_a, routes_a, logps_b, routes_b, replayed_logps=None):
+        flips = route_changes(routes_a, routes_b, per_layer=True)  # routes of the scoring positions
+        flipped = flips.any(-1)[mask]
+        log_r = (logps_b - logps_a)[mask]
+        counts = mask.sum(-1)
+        log_s = ((logps_b - logps_a) * mask).sum(-1) / counts
+        r = dict(path=name, token_share=float(flipped.double().mean()),
+                 token_layer_share=float(flips[mask].double().mean()),
+                 flipped=_dist(log_r[flipped]), unflipped=_dist(log_r[~flipped]),
+                 mean_abs_log_s=float(log_s.abs().mean()), max_abs_log_s=float(log_s.abs().max()))
+        if replayed_logps is not None:
+            rep = (replayed_logps - logps_a)[mask]
+            r["replayed_flipped"] = _dist(rep[flipped])
+            rep_s = ((replayed_logps - logps_a) * mask).sum(-1) / counts
+            r["replayed_mean_abs_log_s"] = float(rep_s.abs().mean())
+        return r
+
+    fp32 = model.float()
+    bf16 = copy.deepcopy(model).to(torch.bfloat16)
+    span = lambda idx: idx[:, start - 1:]  # noqa: E731  routes of the positions scoring the completion (+ last)
+    lp32, idx32 = score(fp32, batch)
+    lp16, idx16 = score(bf16, batch)
+    lp16_replayed, _ = score(bf16, batch, replay_indices=idx32)  # the sampler's (fp32) routes forced in bf16
+    rows_out = [row("float32 vs bfloat16, same batch", lp32, span(idx32)[:, :-1], lp16, span(idx16)[:, :-1],
+                    lp16_replayed)]
+    order = torch.randperm(rows, generator=torch.Generator().manual_seed(seed))
+    inverse = order.argsort()
+    for dtype_name, m, lp, idx in (("float32", fp32, lp32, idx32), ("bfloat16", bf16, lp16, idx16)):
+        other = recomposed(batch, 7, order)
+        lp_o, idx_o = chunked(m, other, rows // 4)
+        rows_out.append(row(f"{dtype_name}: batch of {rows} vs shuffled rows, +7 left padding, batches of "
+                            f"{rows // 4}", lp, span(idx)[:, :-1], lp_o[inverse], idx_o[inverse][:, :-1]))
+    return rows_out
+
+
+# ---------------------------------------------------------------------------------------------------- report
+def _f(x: float, digits: int = 3) -> str:
+    return "nan" if x != x else f"{x:.{digits}g}"
+
+
+def tables(results: list[tuple[Setting, dict]], paths: list[dict]) -> str:
+    lines = [
+        "Per completion token of the off-policy mini-batches (1-3 updates after the old-policy pass). "
+        "'changed': the token's expert set changed in at least one MoE layer.",
+        "",
+        "| setting | tokens | route changed (tokens / token-layers) | mean \\|log r_t\\| changed / unchanged (ratio) "
+        "| p50 changed / unchanged | p99 changed / unchanged | outside [0.8, 1.27] changed / unchanged "
+        "| GRPO-clipped tokens: share / route-changed among them | mean \\|log s_i\\| / mean \\|log r_t\\| "
+        "| sequences outside GSPO's band |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for s, r in results:
+        n = r["natural"]
+        lines.append(
+            f"| {s.name} | {r['tokens']} | {r['changed_token_share']:.3f} / {r['changed_token_layer_share']:.3f} "
+            f"| {_f(n['changed']['mean'])} / {_f(n['unchanged']['mean'])} (**{_f(n['ratio'])}x**) "
+            f"| {_f(n['changed']['p50'])} / {_f(n['unchanged']['p50'])} "
+            f"| {_f(n['changed']['p99'])} / {_f(n['unchanged']['p99'])} "
+            f"| {_f(n['changed']['outside'])} / {_f(n['unchanged']['outside'])} "
+            f"| {_f(r['clipped_share'])} / **{_f(r['clipped_route_changed'])}** "
+            f"| {_f(r['mean_abs_log_s'])} / {_f(n['all']['mean'])} | {_f(r['seq_outside_gspo'])} |")
+    lines += [
+        "",
+        "The same tokens scored with the old policy's routes replayed (`routing_replay=\"old\"`); 'changed' still "
+        "means that natural routing would have changed them.",
+        "",
+        "| setting | mean \\|log r_t\\| changed / unchanged (ratio) | p99 changed / unchanged "
+        "| outside [0.8, 1.27] changed / unchanged | mean \\|log r_t\\| all tokens: natural -> replay "
+        "| mean \\|log s_i\\|: natural -> replay |",
+        "|---|---|---|---|---|---|",
+    ]
+    for s, r in results:
+        p, n = r["replay"], r["natural"]
+        lines.append(
+            f"| {s.name} | {_f(p['changed']['mean'])} / {_f(p['unchanged']['mean'])} ({_f(p['ratio'])}x) "
+            f"| {_f(p['changed']['p99'])} / {_f(p['unchanged']['p99'])} "
+            f"| {_f(p['changed']['outside'])} / {_f(p['unchanged']['outside'])} "
+            f"| {_f(n['all']['mean'])} -> {_f(p['all']['mean'])} "
+            f"| {_f(r['mean_abs_log_s'])} -> {_f(r['mean_abs_log_s_replay'])} |")
+    lines += [
+        "",
+        "No weight change: the trained weights of the headline model scored on two numeric paths. 'Flipped': the "
+        "token's expert set differs between the two paths in at least one layer. GSPO's band is 3e-4.",
+        "",
+        "| paths | routes flipped (tokens / token-layers) | mean \\|log r_t\\| flipped / unflipped "
+        "| p99 flipped / unflipped | flipped, sampler's routes replayed: mean \\|log r_t\\| "
+        "| mean \\|log s_i\\| (max) | mean \\|log s_i\\| replayed |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for p in paths:
+        replayed = p.get("replayed_flipped")
+        lines.append(
+            f"| {p['path']} | {p['token_share']:.4f} / {p['token_layer_share']:.4f} "
+            f"| {_f(p['flipped']['mean'])} / {_f(p['unflipped']['mean'])} "
+            f"| {_f(p['flipped']['p99'])} / {_f(p['unflipped']['p99'])} "
+            f"| {_f(replayed['mean']) if replayed else '-'} "
+            f"| {_f(p['mean_abs_log_s'])} ({_f(p['max_abs_log_s'])}) "
+            f"| {_f(p['replayed_mean_abs_log_s']) if 'replayed_mean_abs_log_s' in p else '-'} |")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="a tiny model and one rollout: a smoke test")
+    parser.add_argument("--pretrain-steps", type=int, default=300)
+    parser.add_argument("--rollouts", type=int, default=4, help="rollout batches per setting")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--out", type=Path, default=Path("outputs/moe_mechanism"),
+                        help="cache of pretrained weights, and summary.json")
+    cli = parser.parse_args()
+    torch.set_num_threads(1)
+    torch.manual_seed(cli.seed)
+    from trl_gspo.quickstart.tokenizer import build_tokenizer
+
+    tokenizer = build_tokenizer()
+    log = lambda msg: print(msg, flush=True)  # noqa: E731
+    started = time.perf_counter()
+    if cli.quick:
+        sweep, steps, rollouts, prompts, group = [Setting(8, 2, 1e-3)], 20, 1, 4, 4
+    else:
+        sweep, steps, rollouts, prompts, group = FULL_SWEEP, cli.pretrain_steps, cli.rollouts, 16, 8
+    models: dict[tuple[int, int], torch.nn.Module] = {}
+    results = []
+    for setting in sweep:
+        shape = (setting.experts, setting.top_k)
+        if shape not in models:
+            overrides = QUICK_MODEL if cli.quick else MODELS[shape]
+            models[shape] = pretrain(overrides, steps, cli.out / "cache", log)
+        tensors = measure_updates(models[shape], tokenizer, setting.lr, rollouts, prompts, group, 4, cli.seed)
+        summary = summarize(tensors)
+        results.append((setting, summary))
+        log(f"{setting.name}: routes changed {summary['changed_token_share']:.3f} of tokens, mean |log r_t| "
+            f"ratio {summary['natural']['ratio']:.2f}x natural, {summary['replay']['ratio']:.2f}x under replay "
+            f"(on-policy check: max {summary['on_policy_max']:.1e})")
+    headline = sweep[0]
+    paths = numeric_paths(models[(headline.experts, headline.top_k)], tokenizer, prompts, group, cli.seed)
+    cli.out.mkdir(parents=True, exist_ok=True)
+    (cli.out / "summary.json").write_text(json.dumps(
+        dict(settings=[dict(setting=s.__dict__, **r) for s, r in results], numeric_paths=paths), indent=1))
+    print()
+    print(tables(results, paths))
+    print()
+    first = results[0][1]
+    log(f"total {time.perf_counter() - started:.0f}s; headline: {headline.name}, {first['tokens']} tokens, "
+        f"{first['changed_token_share']:.1%} route-changed")
+    ratio = first["natural"]["ratio"]
+    print(f"moe_mechanism: {ratio:.2f}" if math.isfinite(ratio) else "moe_mechanism: nan")
+
+
+if __name__ == "__main__":
+    main()
