@@ -92,6 +92,19 @@ def test_a_dataset_mixture_entry_that_is_not_reachable(tmp_path, capsys, no_mode
     _refused(capsys, [recipe], "`datasets`", "no-such-dataset")
 
 
+def test_dataset_name_and_datasets_together(tmp_path, capsys, no_model):
+    recipe = _recipe(tmp_path, extra="datasets:\n  - path: trl-gspo-tests/other\n")
+    _refused(capsys, [recipe], "both `dataset_name` ('builtin:addition') and `datasets` are set")
+
+
+def test_the_launched_entry_point_reports_a_bad_recipe_in_one_line(tmp_path, capsys, no_model):
+    from trl_gspo.train import main as train_main
+
+    assert train_main([_recipe(tmp_path), "--num_generations", "0"]) == 2
+    assert capsys.readouterr().err.strip() == ("trl-gspo: error: `num_generations` must be at least 2, got 0. Fix: "
+                                               "set it to 2 or more.")
+
+
 def test_a_dotted_reward_that_is_not_callable(tmp_path, capsys, no_model):
     recipe = _recipe(tmp_path, replace=[("[digit_match_reward]", "[os.sep]")])
     _refused(capsys, [recipe], "`reward_funcs`", "'os.sep' is a str, not a function")

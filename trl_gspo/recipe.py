@@ -375,6 +375,9 @@ def _dataset_size(script_args, dataset_args, probe: bool) -> int | None:
     """The training split's number of prompts where it is known without loading the data (`None` otherwise); checks
     that the dataset exists: a built-in name, a local path, or a hub id `datasets` can resolve (its metadata only)."""
     name = script_args.dataset_name
+    if name and dataset_args.datasets:  # `trl grpo` would use `datasets` and only log that `dataset_name` is ignored
+        raise RecipeError(f"both `dataset_name` ({name!r}) and `datasets` are set; one of them would be ignored. "
+                          "Fix: keep one (list several datasets under `datasets`).")
     if name and name.startswith(BUILTIN_PREFIX):
         if name[len(BUILTIN_PREFIX):] not in BUILTIN_DATASETS:
             raise RecipeError(f"`dataset_name`: unknown built-in {name!r}. Fix: use one of "

@@ -139,12 +139,17 @@ def run(script_args, training_args, model_args, dataset_args) -> "GSPOTrainer": 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     try:
+        # A recipe that does not parse (a wrong type, an impossible value) is one line, as in `trl-gspo`.
         script_args, training_args, model_args, dataset_args, launch_args, _ = parse_recipe(argv)
-        if script_args.dry_run:
-            print(describe(script_args, training_args, model_args, dataset_args, launch_args))
-            return 0
+    except (ValueError, TypeError) as err:
+        print(f"trl-gspo: error: {err}", file=sys.stderr)
+        return 2
+    if script_args.dry_run:
+        print(describe(script_args, training_args, model_args, dataset_args, launch_args))
+        return 0
+    try:
         run(script_args, training_args, model_args, dataset_args)
-    except RecipeError as err:
+    except RecipeError as err:  # only our own refusals: an error inside training keeps its traceback
         print(f"trl-gspo: error: {err}", file=sys.stderr)
         return 2
     return 0
