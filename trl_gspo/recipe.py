@@ -90,12 +90,15 @@ def parse_recipe(argv: list[str]):
 
     Returns `(script_args, training_args, model_args, dataset_args, launch_args, cli_launch_tokens)`: `launch_args`
     are the `accelerate launch` options the recipe or command line named, `cli_launch_tokens` the subsequence of
-    `argv` that holds the command line's own accelerate options. Raises `RecipeError` for unknown keys.
+    `argv` that holds the command line's own accelerate options. `script_args.explicit_keys` names the keys the
+    recipe or command line set. `argv` may start with the recipe path instead of `--config PATH`. Raises
+    `RecipeError` for unknown keys, empty keys and YAML syntax errors.
     """
     from trl.cli.accelerate_config import resolve_accelerate_config_argument
 
     if argv and not argv[0].startswith("-"):  # `trl-gspo recipe.yaml ...` is `trl-gspo --config recipe.yaml ...`
         argv = ["--config", *argv]
+    recipe_keys = []
     if "--config" in argv:
         index = argv.index("--config")
         if index + 1 >= len(argv):
@@ -104,7 +107,7 @@ def parse_recipe(argv: list[str]):
         if not os.path.isfile(path):
             raise RecipeError(f"recipe file {path!r} does not exist. Fix: pass the path of a YAML recipe, "
                               "e.g. `--config recipes/quickstart.yaml`.")
-        _check_recipe_file(path)
+        recipe_keys = list(_check_recipe_file(path))
     parser = make_parser()
     *dataclasses, config_remaining, cli_remaining = parser.parse_args_and_config(
         argv, return_remaining_strings=True, separate_remaining_strings=True
@@ -126,23 +129,14 @@ def parse_recipe(argv: list[str]):
     except ValueError as err:
         raise RecipeError(f"`accelerate_config`: {err}") from None
     # The keys the user set (recipe and command line), where a default and an explicit value mean different things.
-    dataclasses[0].explicit_keys = frozenset(_recipe_keys(argv) + [t[2:].split("=", 1)[0] for t in argv
-                                                                   if t.startswith("--")])
+    dataclasses[0].explicit_keys = frozenset(recipe_keys + [t[2:].split("=", 1)[0] for t in argv if t.startswith("--")])
     return (*dataclasses, launch_args, cli_remaining)
 
 
-def _recipe_keys(argv: list[str]) -> list[str]:
-    if "--config" not in argv:
-        return []
-    import yaml
-
-    with open(argv[argv.index("--config") + 1]) as handle:
-        return list(yaml.safe_load(handle))
-
-
-def _check_recipe_file(path: str) -> None:
-    """A YAML syntax error as `file:line:column`, and keys left empty (YAML reads `key:` as null) where the field
-    cannot be None, before TRL's parser turns them into a traceback or a `None` that fails inside the optimizer."""
+def _check_recipe_file(path: str) -> dict:
+    """The recipe's mapping. Refuses a YAML syntax error as `file:line:column`, and keys left empty (YAML reads
+    `key:` as null) where the field cannot be None, before TRL's parser turns them into a traceback or into a `None`
+    that fails inside the optimizer."""
     import typing
 
     import yaml
@@ -170,6 +164,7 @@ def _check_recipe_file(path: str) -> None:
             raise RecipeError(f"`{key}` is empty in {path} (YAML reads `{key}:` with no value as null), and it needs "
                               f"a `{getattr(hint, '__name__', hint)}`. Fix: give it a value, or delete the line for the "
                               "default.")
+    return recipe
 
 
 def _relative_to_recipe(tokens: list[str], recipe_dir: str) -> list[str]:
