@@ -169,6 +169,19 @@ def test_a_recipe_path_without_config_flag(tmp_path, capsys, no_model):
     _refused(capsys, [str(tmp_path / "missing.yaml")], "does not exist", "--config recipes/quickstart.yaml")
 
 
+@pytest.mark.parametrize("argv,needle", [(["{recipe}", "--dry_run", "true", "stray"], "unexpected `stray`"),
+                                         (["--max_steps", "3", "{recipe}"], "a recipe path goes first")])
+def test_a_stray_argument(tmp_path, capsys, no_model, argv, needle):
+    recipe = _recipe(tmp_path)
+    _refused(capsys, [token.format(recipe=recipe) for token in argv], needle)
+
+
+def test_accelerate_options_and_their_values_are_not_stray(tmp_path, capsys, no_model):
+    argv = [_recipe(tmp_path), "--num_processes", "1", "--mixed_precision", "no", "--main_process_port=29999",
+            "--dynamo_backend", "no", "--dry_run", "true"]
+    assert main(argv) == 0, capsys.readouterr().err
+
+
 def test_a_dataset_smaller_than_one_rollout_batch(tmp_path, capsys, no_model):
     """Before launch, with the launch's process count: 8 per device x 2 processes x 4 mini-batches = 64 completions
     = 8 prompts of 8 generations per rollout batch; 7 prompts would give 0 optimizer steps."""

@@ -79,10 +79,26 @@ def make_parser(prog: str = "trl-gspo") -> TrlParser:
     return parser
 
 
-def _accelerate_option_strings() -> set[str]:
+def _accelerate_options() -> dict:
+    """`accelerate launch`'s option strings and their argparse actions."""
     from accelerate.commands.launch import launch_command_parser
 
-    return set(launch_command_parser()._option_string_actions)
+    return dict(launch_command_parser()._option_string_actions)
+
+
+def _stray_tokens(tokens: list[str], options: dict) -> list[str]:
+    """Tokens that are neither an option nor an option's value (TRL's parser leaves them unread)."""
+    stray, expecting_value = [], False
+    for token in tokens:
+        if token.startswith("--"):
+            key = token.split("=", 1)[0]
+            takes_value = key == "--accelerate_config" or (key in options and options[key].nargs != 0)
+            expecting_value = "=" not in token and takes_value
+        elif expecting_value:
+            expecting_value = False
+        else:
+            stray.append(token)
+    return stray
 
 
 def parse_recipe(argv: list[str]):
@@ -112,7 +128,8 @@ def parse_recipe(argv: list[str]):
     *dataclasses, config_remaining, cli_remaining = parser.parse_args_and_config(
         argv, return_remaining_strings=True, separate_remaining_strings=True
     )
-    known = _accelerate_option_strings()
+    options = _accelerate_options()
+    known = set(options)
     for source, remaining in (("recipe", config_remaining), ("command line", cli_remaining)):
         for token in remaining:
             if token.startswith("--") and token.split("=", 1)[0] not in known | {"--accelerate_config"}:
@@ -122,6 +139,10 @@ def parse_recipe(argv: list[str]):
                     "nor an `accelerate launch` option. Fix: check its spelling against `trl-gspo --help` "
                     "(or remove it)."
                 )
+    for token in _stray_tokens(cli_remaining, options):
+        hint = (" (a recipe path goes first, or after `--config`)" if token.endswith((".yaml", ".yml")) else "")
+        raise RecipeError(f"unexpected `{token}` on the command line: after the recipe, arguments are `--key value` "
+                          f"pairs{hint}. Fix: remove it, or add the key it is the value of.")
     if "--config" in argv:  # a recipe's relative accelerate_config path is relative to the recipe file
         config_remaining = _relative_to_recipe(config_remaining, os.path.dirname(argv[argv.index("--config") + 1]))
     try:
