@@ -208,6 +208,18 @@ def test_a_loaded_dataset_smaller_than_one_rollout_batch_is_refused_before_the_m
     assert not (tmp_path / "out").exists()
 
 
+def test_a_split_the_dataset_does_not_have(tmp_path, capsys, no_model):
+    from trl_gspo.train import main as train_main
+
+    data = tmp_path / "prompts.json"
+    data.write_text("\n".join(json.dumps({"prompt": f"{i}+1="}) for i in range(64)))
+    recipe = _recipe(tmp_path, replace=[("dataset_name: builtin:addition\n", "")],
+                     extra=f"datasets:\n  - path: json\n    data_files: {data}\n")
+    assert train_main([recipe, "--dataset_train_split", "training"]) == 2
+    assert "`dataset_train_split`: the dataset has no split 'training' (it has ['train'])" in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()
+
+
 @pytest.mark.parametrize("field,value,kind", [("epsilon", "3e-4", "a number"), ("beta", True, "a number"),
                                               ("steps_per_generation", 2.5, "an integer"),
                                               ("routing_replay_offload", "yes", "a bool"),

@@ -1,6 +1,6 @@
 """The `trl-gspo` command: a twin of `trl grpo` that knows `GSPOConfig` and the built-in offline quickstart.
 
-    trl-gspo --config recipe.yaml [--any_field value ...]
+    trl-gspo recipe.yaml [--any_field value ...]       (or: trl-gspo --config recipe.yaml ...)
 
 Recipe keys are described in `trl_gspo.recipe`. The command validates the recipe, then runs
 `accelerate launch -m trl_gspo.train <same arguments>`; running `accelerate launch [options] -m trl_gspo.train
@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import sys
 
-from .checkpoints import check_resume_before_launch
 from . import launching
+from .checkpoints import check_resume_before_launch
 from .recipe import (GSPOScriptArguments, RecipeError, check_launch, check_recipe, describe,  # noqa: F401
                      make_parser, parse_recipe)
 from .rewards import resolve_rewards

@@ -92,9 +92,13 @@ def run(script_args, training_args, model_args, dataset_args) -> "GSPOTrainer": 
     check_distributed_setup(training_args)
     rewards = resolve_rewards(script_args)
     dataset = load_dataset(script_args, dataset_args)
-    if script_args.dataset_train_split not in dataset:
-        raise RecipeError(f"`dataset_train_split`: the dataset has no split {script_args.dataset_train_split!r} "
-                          f"(it has {sorted(dataset)}). Fix: set dataset_train_split to one of them.")
+    splits = {"dataset_train_split": script_args.dataset_train_split}
+    if training_args.eval_strategy != "no":
+        splits["dataset_test_split"] = script_args.dataset_test_split
+    for key, split in splits.items():
+        if split not in dataset:
+            raise RecipeError(f"`{key}`: the dataset has no split {split!r} (it has {sorted(dataset)}). Fix: set "
+                              f"{key} to one of them{' or eval_strategy: no' if key == 'dataset_test_split' else ''}.")
     train_dataset = dataset[script_args.dataset_train_split]
     if hasattr(train_dataset, "__len__"):  # exact here: generation_batch_size counts every launched process
         from accelerate import PartialState
