@@ -157,6 +157,21 @@ def test_a_yaml_syntax_error_names_file_line_and_column(tmp_path, capsys, no_mod
     assert err.startswith(f"trl-gspo: error: {recipe}{where}")
 
 
+def test_a_gpu_recipe_on_a_machine_without_one(tmp_path, capsys, no_model):
+    """bf16 cannot even be parsed without a GPU (transformers refuses it); the launch is refused with the fix, and a
+    dry run validates the recipe anyway."""
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU")
+    recipe = _recipe(tmp_path, replace=[("use_cpu: true\nbf16: false\n", "bf16: true\n")])
+    assert main([recipe]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("trl-gspo: error: `bf16: true` needs a GPU") and "--bf16 false --use_cpu true" in err
+    assert main([recipe, "--dry_run", "true"]) == 0
+    assert "no GPU here: validated with use_cpu=true, bf16=false" in capsys.readouterr().out
+
+
 def test_no_arguments_prints_usage(capsys, no_model):
     assert main([]) == 2
     err = capsys.readouterr().err

@@ -53,8 +53,12 @@ def main(argv: list[str] | None = None) -> int:
         except ValueError as err:
             # A GPU recipe (bf16) cannot build its TrainingArguments on a machine without a GPU; a dry run still
             # checks every key and value there, with the hardware check switched off.
-            if "--dry_run" not in argv or "bf16/gpu" not in str(err):
+            if "bf16/gpu" not in str(err):
                 raise
+            if "--dry_run" not in argv:
+                raise RecipeError("`bf16: true` needs a GPU, and this machine has none. Fix: run on a GPU machine; "
+                                  "to try the recipe on CPU add `--bf16 false --use_cpu true`; `--dry_run true` "
+                                  "validates it here.") from None
             script_args, training_args, model_args, dataset_args, launch_args, cli_launch_tokens = parse_recipe(
                 argv + ["--use_cpu", "true", "--bf16", "false"]
             )
