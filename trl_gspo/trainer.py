@@ -49,8 +49,9 @@ class GSPOTrainer(GRPOTrainer):
     The loss for gspo types (see `trl_gspo.losses`):
     `loss = mean_i [ mean_t (policy_loss_i,t * w_i,t + beta * KL_i,t) ] / gradient_accumulation_steps`
     where `w` is the product of TRL's optional token weights (off-policy sequence mask, top-entropy token mask,
-    vLLM importance-sampling correction). This is TRL's `"grpo"` aggregation, so multi-process and gradient
-    accumulation normalization match TRL's `loss_type="grpo"` exactly.
+    vLLM importance-sampling correction), minus TRL's entropy bonus (fixed or adaptive) and plus the MoE aux loss.
+    This is TRL's `"grpo"` aggregation, so multi-process and gradient accumulation normalization match TRL's
+    `loss_type="grpo"` exactly; every TRL option that shapes that loss is honoured (docs/trl_contract.md).
     """
 
     def __init__(self, model, reward_funcs=None, args=None, *positional, **kwargs):
