@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import copy
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 # name -> (trainer class name, config overrides); TRL's trainers are the baselines
 ARMS = {
@@ -49,13 +51,13 @@ def length_reward(completions, **kwargs):
 
 
 def trainer(arm: str, model, tokenizer, output_dir: str, device: str, dtype: torch.dtype, completion_length: int,
-            batch: int, **overrides):
+            batch: int, trainer_cls=None, **overrides):
     import trl
 
     import trl_gspo
 
     class_name, arm_overrides = ARMS[arm]
-    cls = getattr(trl_gspo if class_name == "GSPOTrainer" else trl, class_name)
+    cls = trainer_cls or getattr(trl_gspo if class_name == "GSPOTrainer" else trl, class_name)
     config_cls = trl_gspo.GSPOConfig if class_name == "GSPOTrainer" else trl.GRPOConfig
     args = config_cls(
         output_dir=output_dir, use_cpu=device == "cpu", bf16=dtype == torch.bfloat16, report_to="none",
@@ -70,3 +72,41 @@ def trainer(arm: str, model, tokenizer, output_dir: str, device: str, dtype: tor
 
     built.remove_callback(PrinterCallback)  # the benchmarks print their own summary
     return built
+
+
+class _ScalarReads(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is torch.ops.aten._local_scalar_dense.default:  # .item(), bool(t), int(t), float(t)
+            self.count += 1
+        return func(*args, **(kwargs or {}))
+
+
+@contextlib.contextmanager
+def count_host_reads():
+    """Count the reads of tensor values by the host inside the block: each waits for the device on a GPU (a
+    device-to-host sync). Counted on any device, so a CPU run measures how often a GPU step would stall:
+    `.item()`/`bool()`/`int()`/`float()` (seen by a dispatch mode) and `.tolist()`/`.cpu()`/`.numpy()` calls.
+    Yields a dict whose `"count"` is filled in on exit."""
+    result = {"count": 0}
+    calls = {"count": 0}
+    originals = {name: getattr(torch.Tensor, name) for name in ("tolist", "cpu", "numpy")}
+
+    def counting(original):
+        def wrapper(self, *args, **kwargs):
+            calls["count"] += 1
+            return original(self, *args, **kwargs)
+        return wrapper
+
+    for name, original in originals.items():
+        setattr(torch.Tensor, name, counting(original))
+    try:
+        with _ScalarReads() as scalars:
+            yield result
+    finally:
+        for name, original in originals.items():
+            setattr(torch.Tensor, name, original)
+    result["count"] = scalars.count + calls["count"]

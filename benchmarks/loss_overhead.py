@@ -7,6 +7,11 @@ measured interleaved (the order rotates every repeat), median of repeats.
 
 A training step here is one micro-batch's `compute_loss` + backward: the policy forward, the loss, and backward
 (generation and the optimizer are identical for all arms and left out; see step_breakdown.py for those).
+
+The arm `gspo_eager_checks` is GSPOTrainer as it was before its NaN/Inf checks and metrics became sync-free: three
+checks and every metric each read to the host on its own (the code is kept below). Each host read waits for the
+device on a GPU; the run also counts them per step on any device (`host reads`), so a CPU run shows how many
+stalls a GPU step would have even where the timing cannot.
 Last line: `loss_overhead: <gspo / trl_sequence_grpo> (target <= 1.02)`.
 """
 
@@ -22,6 +27,47 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent))
 import _setup  # noqa: E402
 
+from trl_gspo import GSPOTrainer  # noqa: E402
+
+
+class EagerChecksGSPOTrainer(GSPOTrainer):
+    """GSPOTrainer's NaN/Inf checks and metrics before they were made sync-free (kept for this comparison only):
+    each check and each metric is read to the host separately."""
+
+    def _log_gspo_metrics(self, mode, out, mask, entropies, policy_loss, per_token_kl, aux_loss, nonfinite):
+        for name, count in zip(("logps", "old_logps", "advantages"), nonfinite):
+            if bool(count > 0):  # one sync per input, as check_finite did
+                raise ValueError(f"`{name}` contains NaN/Inf")
+        gather, metrics = self.accelerator.gather, self._metrics[mode]
+        if aux_loss is not None:
+            metrics["aux_loss"].append(gather(aux_loss).mean().item())
+
+        def global_token_mean(values):
+            totals = self.accelerator.reduce(torch.stack([(values * mask).sum().float(), mask.sum().float()]),
+                                             reduction="sum")
+            return (totals[0] / totals[1].clamp(min=1.0)).item()
+
+        if per_token_kl is not None:
+            metrics["kl"].append(global_token_mean(per_token_kl))
+        metrics["entropy"].append(global_token_mean(entropies))
+        metrics["policy_loss"].append(gather(policy_loss).mean().item())
+        low_seq, high_seq = gather(out.low_clipped.any(-1).float()), gather(out.high_clipped.any(-1).float())
+        region_seq = gather((out.low_clipped | out.high_clipped).any(-1).float())
+        metrics["clip_ratio/low_mean"].append(low_seq.mean().item())
+        metrics["clip_ratio/low_min"].append(low_seq.min().item())
+        metrics["clip_ratio/high_mean"].append(high_seq.mean().item())
+        metrics["clip_ratio/high_max"].append(high_seq.max().item())
+        metrics["clip_ratio/region_mean"].append(region_seq.mean().item())
+        metrics["gspo/clipped_token_fraction"].append(global_token_mean((out.low_clipped | out.high_clipped).float()))
+        log_ratio, nonempty = gather(out.log_ratio.float()), gather(mask.bool().any(-1))
+        log_ratio = log_ratio[nonempty] if bool(nonempty.any()) else log_ratio.new_zeros(1)
+        ratio = log_ratio.exp()
+        metrics["gspo/ratio_mean"].append(ratio.mean().item())
+        metrics["gspo/ratio_std"].append(ratio.std().item() if ratio.numel() > 1 else 0.0)
+        metrics["gspo/ratio_min"].append(ratio.min().item())
+        metrics["gspo/ratio_max"].append(ratio.max().item())
+        metrics["gspo/log_ratio_abs_max"].append(log_ratio.abs().max().item())
+
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -33,12 +79,14 @@ def main():
     parser.add_argument("--repeats", type=int, default=15)
     args = parser.parse_args()
     dtype = getattr(torch, args.dtype)
-    arms = ["gspo", "trl_sequence_grpo", "trl_token_grpo"]
+    arms = ["gspo", "gspo_eager_checks", "trl_sequence_grpo", "trl_token_grpo"]
 
     model, tokenizer = _setup.build(args.size, args.device, dtype)
     with tempfile.TemporaryDirectory() as tmp:
-        trainers = {arm: _setup.trainer(arm, model, tokenizer, f"{tmp}/{arm}", args.device, dtype,
-                                        args.completion_length, args.batch) for arm in arms}
+        trainers = {arm: _setup.trainer(arm.replace("_eager_checks", ""), model, tokenizer, f"{tmp}/{arm}",
+                                        args.device, dtype, args.completion_length, args.batch,
+                                        trainer_cls=EagerChecksGSPOTrainer if arm == "gspo_eager_checks" else None)
+                    for arm in arms}
         # One off-policy rollout batch (generated and scored by TRL), fed to every arm.
         reference = trainers["trl_sequence_grpo"]
         data = _setup.dataset()  # one generation batch: each prompt repeated num_generations times, as TRL samples
@@ -67,8 +115,12 @@ def main():
             trainer.model.zero_grad(set_to_none=True)
             return elapsed
 
-        for arm in arms:  # warm-up
+        host_reads = {}
+        for arm in arms:  # warm-up, and count the host reads of one step
             step(arm)
+            with _setup.count_host_reads() as reads:
+                step(arm)
+            host_reads[arm] = reads["count"]
         times = {arm: [] for arm in arms}
         for repeat in range(args.repeats):
             order = arms[repeat % len(arms):] + arms[:repeat % len(arms)]
@@ -80,8 +132,12 @@ def main():
           f"{args.completion_length} tokens ({tokens} completion tokens), {args.repeats} interleaved repeats")
     for arm in arms:
         spread = statistics.quantiles(times[arm], n=4) if len(times[arm]) > 1 else [median[arm]] * 3
-        print(f"  {arm:20s} median {median[arm] * 1e3:8.2f} ms  (IQR {spread[0] * 1e3:.2f}-{spread[2] * 1e3:.2f})")
+        print(f"  {arm:20s} median {median[arm] * 1e3:8.2f} ms  (IQR {spread[0] * 1e3:.2f}-{spread[2] * 1e3:.2f})"
+              f"  host reads per step {host_reads[arm]}")
     print(f"  gspo / trl_token_grpo: {median['gspo'] / median['trl_token_grpo']:.3f}")
+    print(f"  gspo / gspo_eager_checks (sync-free checks and metrics vs before): "
+          f"{median['gspo'] / median['gspo_eager_checks']:.3f}, host reads {host_reads['gspo']} vs "
+          f"{host_reads['gspo_eager_checks']}")
     print(f"loss_overhead: {median['gspo'] / median['trl_sequence_grpo']:.3f} (target <= 1.02)")
 
 

@@ -92,9 +92,15 @@ RECIPES = sorted(p for p in (ROOT / "recipes").rglob("*.yaml") if p.parent.name 
 
 
 @pytest.mark.parametrize("recipe", RECIPES, ids=[str(p.relative_to(ROOT / "recipes")) for p in RECIPES])
-def test_shipped_recipes_resolve(recipe, capsys):
-    """Every recipe resolves into a valid GSPOConfig / ModelConfig and launch options without downloading anything."""
+def test_shipped_recipes_resolve(recipe, capsys, monkeypatch):
+    """Every recipe resolves into a valid GSPOConfig / ModelConfig and launch options without downloading anything.
+    The hub dataset is not cached on the (offline) test machine, where a dry run rightly refuses it
+    (tests/test_recipe_checks.py); here the dataset probe only records what it was asked."""
+    probed = []
+    monkeypatch.setattr("trl_gspo.recipe._probe_dataset", lambda key, path, config: probed.append((key, path)))
     assert main(["--config", str(recipe), "--dry_run", "true"]) == 0
+    dataset = yaml.safe_load(recipe.read_text())["dataset_name"]
+    assert probed == ([] if dataset.startswith("builtin:") else [("dataset_name", dataset)])
     out = capsys.readouterr().out
     assert "recipe is valid" in out
     name = yaml.safe_load(recipe.read_text()).get("accelerate_config")
@@ -140,3 +146,22 @@ def test_builtin_cold_start_under_deepspeed_fails_before_launch(tmp_path, capsys
     assert main(["--config", _recipe(tmp_path, recipe), *launcher]) == 2
     assert "`sft_steps` (the built-in SFT cold start) cannot run under DeepSpeed" in capsys.readouterr().err
     assert not (tmp_path / "o").exists()
+
+
+def test_reward_names_come_from_trls_registry():
+    """`reward_funcs` accepts every reward function `trl.rewards` exports (a TRL release that adds one makes it
+    available), `get_soft_overlong_punishment` built as `trl grpo` builds it, and the built-in task's rewards."""
+    import inspect
+
+    import trl.rewards
+
+    from trl_gspo.rewards import reward_registry
+
+    registry = reward_registry()
+    exported = {name for name in trl.rewards.__all__ if inspect.isfunction(getattr(trl.rewards, name))}
+    assert {name for name in exported if not name.startswith("get_")} <= set(registry)
+    assert {"accuracy_reward", "think_format_reward", "get_soft_overlong_punishment", "digit_match_reward",
+            "exact_match_reward"} <= set(registry)
+    assert registry["think_format_reward"] is trl.rewards.think_format_reward
+    overlong = registry["get_soft_overlong_punishment"]  # max_completion_len=1280, soft_punish_cache=256
+    assert overlong([[0] * 1000, [0] * 1280]) == [0.0, pytest.approx(-1.0)]

@@ -1,7 +1,8 @@
 """`accelerate_config: fsdp1 | fsdp2` (TRL's names). accelerate has no FSDP on CPU: measured with two CPU processes,
 an FSDP2 config trains as plain data parallelism (accelerate picks MULTI_CPU, `Trainer.is_fsdp_enabled` is false) and
-TRL's fsdp1.yaml fails after the model is loaded (`sync_module_states` needs a GPU). So FSDP is refused before launch
-on a machine without an accelerator, and again by every launched process that did not get FSDP."""
+an FSDP1 config with `fsdp_sync_module_states: true` (as TRL's fsdp1.yaml) fails after the model is loaded. So FSDP
+is refused before launch on a machine without an accelerator, and again by every launched process that did not get
+FSDP."""
 
 import os
 import socket

@@ -29,6 +29,8 @@ from trl_gspo.losses import (
     gspo_loss,
     gspo_token_loss,
     k3_kl,
+    nonfinite_counts,
+    raise_if_nonfinite,
 )
 
 EPS_LOW = 3e-4
@@ -891,3 +893,19 @@ def test_adaptive_entropy_coef_moves_by_step_within_bounds():
     assert adaptive_entropy_coef(0.0, 0.2, **kw) == pytest.approx(0.005)  # at target: up
     assert adaptive_entropy_coef(0.01, 0.5, **kw) == pytest.approx(0.005)  # above target: down
     assert adaptive_entropy_coef(0.003, 0.5, **kw) == 0.0  # floored at min
+
+
+def test_nonfinite_counts_respect_the_mask_and_name_the_input():
+    logps, old, adv, mask = _valid_inputs()
+    logps, old, adv = logps.clone(), old.clone(), adv.clone()
+    padded = (mask == 0).nonzero()[0].tolist()
+    logps[padded[0], padded[1]] = float("nan")  # padding: not counted
+    old[0, 0] = float("inf")
+    adv[1] = float("nan")
+    assert nonfinite_counts(logps, old, adv, mask).tolist() == [0, 1, 1]
+    token_adv = adv[:, None].expand_as(mask).clone()
+    token_adv[padded[0], padded[1]] = float("nan")  # per-token advantages: padding not counted either
+    assert nonfinite_counts(logps, old, token_adv, mask).tolist()[2] == int(mask[1].sum())
+    with pytest.raises(ValueError, match="`old_logps` contains 1 NaN/Inf"):
+        raise_if_nonfinite([0, 1, 1])
+    raise_if_nonfinite([0, 0, 0])

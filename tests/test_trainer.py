@@ -8,7 +8,7 @@ from conftest import digit_reward, tiny_config, toy_dataset
 from trl import GRPOConfig, GRPOTrainer
 
 from trl_gspo import GSPOTrainer
-from trl_gspo.losses import gspo_token_loss
+from trl_gspo.losses import gspo_loss, gspo_token_loss
 from trl_gspo.quickstart.model import build_dense_model, build_model
 
 
@@ -355,6 +355,55 @@ def test_nan_logps_raise_clear_error(trainer_pair, tokenizer):
     inputs["old_per_token_logps"][0, 0] = float("nan")
     with pytest.raises(ValueError, match="old_logps.*NaN/Inf"):
         ours._compute_loss(ours.model, inputs)
+
+
+def test_only_batch_keys_present_are_forwarded(trainer_pair, tokenizer, monkeypatch):
+    """A model input TRL adds to `_get_per_token_logps_and_entropies` keeps its default unless the batch has it."""
+    ours, _ = trainer_pair
+    _configure(ours)
+    seen = []
+    original = GRPOTrainer._get_per_token_logps_and_entropies
+
+    def spy(self, model, *args, **kwargs):
+        seen.append(kwargs)
+        return original(self, model, *args, **kwargs)
+
+    monkeypatch.setattr(GRPOTrainer, "_get_per_token_logps_and_entropies", spy)
+    inputs = _with_real_old_logps(ours, _fake_batch(tokenizer), scale=1e-3)
+    seen.clear()
+    ours._compute_loss(ours.model, inputs)
+    assert set(seen[0]) == {"compute_entropy", "compute_aux_loss"}
+    inputs["token_type_ids"] = torch.zeros_like(torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], 1))
+    ours._compute_loss(ours.model, inputs)
+    assert set(seen[1]) == {"compute_entropy", "compute_aux_loss", "token_type_ids"}
+
+
+def test_loss_and_metrics_read_the_device_once(trainer_pair, tokenizer, monkeypatch):
+    """The NaN/Inf checks and every metric reach the host in one read per micro-batch (each read stalls a GPU
+    step); counted with benchmarks/_setup.py's counter, the model forward left out."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).parents[1] / "benchmarks"))
+    from _setup import count_host_reads
+
+    ours, _ = trainer_pair
+    _configure(ours, beta=0.04, delta=1.001)
+    inputs = _with_real_old_logps(ours, _fake_batch(tokenizer), scale=1e-3, offsets=DELTA_OFFSETS)
+    forward = ours._get_per_token_logps_and_entropies(
+        ours.model, torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], 1),
+        torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], 1), inputs["completion_ids"].size(1),
+        compute_entropy=True, compute_aux_loss=True)
+    monkeypatch.setattr(ours, "_get_per_token_logps_and_entropies", lambda *args, **kwargs: forward)
+    ours._metrics["train"].clear()
+    with count_host_reads() as reads:
+        loss = ours._compute_loss(ours.model, inputs)
+    assert reads["count"] == 1
+    assert torch.isfinite(loss) and len(ours._metrics["train"]["gspo/ratio_max"]) == 1
+    # The counter does count: the pure function with its own (eager) input check reads once.
+    with count_host_reads() as reads:
+        gspo_loss(forward[0], inputs["old_per_token_logps"], inputs["advantages"], inputs["completion_mask"])
+    assert reads["count"] == 1
 
 
 def test_empty_completions_give_zero_gradient(trainer_pair, tokenizer):

@@ -3,6 +3,7 @@
 import logging
 
 import pytest
+import torch
 from conftest import digit_reward, tiny_config, toy_dataset
 from trl_gspo import GSPOTrainer
 from trl_gspo.quickstart.model import build_dense_model, build_model
@@ -94,3 +95,86 @@ def test_replay_with_lora_on_attention_and_experts_and_a_reference_pass(tmp_path
     assert all(h["kl"] >= 0 for h in logs) and max(h["kl"] for h in logs) > 0
     lora_b = [p for n, p in trainer.model.named_parameters() if "lora_B" in n]
     assert len(lora_b) == 2 * 4 and all(p.abs().sum() > 0 for p in lora_b)  # q, v, gate_up, down x 2 layers
+
+
+# --------------------------------------------------------------------------- fail loud instead of guessing
+def _replay_trainer(cls, tokenizer, output_dir, **config):
+    config = {"loss_type": "grpo", "routing_replay": "old", "steps_per_generation": 2, "max_steps": 1,
+              "per_device_train_batch_size": 4, **config}
+    return cls(build_model(tokenizer), digit_reward, args=tiny_config(output_dir, **config),
+               train_dataset=toy_dataset(), processing_class=tokenizer)
+
+
+class _DropsRecording(GSPOTrainer):
+    def _generate_and_score_completions(self, inputs):
+        output = super()._generate_and_score_completions(inputs)
+        del output["routing_indices"]
+        return output
+
+
+class _TruncatesRecording(GSPOTrainer):
+    def _generate_and_score_completions(self, inputs):
+        output = super()._generate_and_score_completions(inputs)
+        output["routing_indices"] = output["routing_indices"][:, 1:]
+        return output
+
+
+def test_replay_refuses_a_micro_batch_without_recording(tmp_path, tokenizer):
+    trainer = _replay_trainer(_DropsRecording, tokenizer, tmp_path)
+    with pytest.raises(RuntimeError, match="carries no routing recorded.*Fix:"):
+        trainer.train()
+
+
+def test_replay_refuses_a_recording_that_does_not_match_the_tokens(tmp_path, tokenizer):
+    trainer = _replay_trainer(_TruncatesRecording, tokenizer, tmp_path)
+    with pytest.raises(RuntimeError, match="recording covers.*Fix:"):
+        trainer.train()
+
+
+class _ExtraPolicyPassFirst(GSPOTrainer):
+    """A generation round where another pass of the policy model runs before TRL's old-policy pass (as a TRL
+    change could introduce): the first-call guess would replay the wrong recording."""
+
+    def _generate(self, prompts):
+        result = super()._generate(prompts)
+        ids = torch.randint(4, 40, (3, 5))
+        with torch.no_grad():
+            self._get_per_token_logps_and_entropies(self.model, ids, torch.ones_like(ids), 2)
+        return result
+
+
+def test_old_policy_pass_is_identified_by_its_output_not_its_order(tmp_path, tokenizer):
+    trainer = _replay_trainer(_ExtraPolicyPassFirst, tokenizer, tmp_path, max_steps=2, steps_per_generation=4,
+                              gradient_accumulation_steps=2)
+    trainer.train()
+    replayed = [h["routing/replayed_token_fraction"] for h in trainer.state.log_history if "loss" in h]
+    assert len(replayed) == 2 and max(replayed) > 0
+
+
+class _StoresACopy(GSPOTrainer):
+    """TRL storing a copy of the old-policy log-probs instead of the pass's own tensor."""
+
+    def _get_per_token_logps_and_entropies(self, model, *args, **kwargs):
+        logps, entropies, aux = super()._get_per_token_logps_and_entropies(model, *args, **kwargs)
+        return logps.clone(), entropies, aux
+
+
+def test_unidentifiable_old_policy_pass_raises(tmp_path, tokenizer):
+    trainer = _replay_trainer(_StoresACopy, tokenizer, tmp_path)
+    with pytest.raises(RuntimeError, match="old-policy routing cannot be identified.*Fix:"):
+        trainer.train()
+
+
+class _FailsInTheLoss(GSPOTrainer):
+    def _compute_loss(self, model, inputs):
+        raise ValueError("the forward failed")
+
+
+def test_a_failed_forward_is_not_hidden_by_closing_the_replay(tmp_path, tokenizer):
+    """Closing a replay that never saw a forward raises its own error; the ExitStack passes the forward's exception
+    to it, so the user sees the real one, and the replay's hooks are removed."""
+    trainer = _replay_trainer(_FailsInTheLoss, tokenizer, tmp_path)
+    hooks_before = sum(len(m._forward_hooks) + len(m._forward_pre_hooks) for m in trainer.model.modules())
+    with pytest.raises(ValueError, match="the forward failed"):
+        trainer.train()
+    assert sum(len(m._forward_hooks) + len(m._forward_pre_hooks) for m in trainer.model.modules()) == hooks_before

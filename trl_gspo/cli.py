@@ -1,6 +1,6 @@
 """The `trl-gspo` command: a twin of `trl grpo` that knows `GSPOConfig` and the built-in offline quickstart.
 
-    trl-gspo --config recipe.yaml [--any_field value ...]
+    trl-gspo recipe.yaml [--any_field value ...]       (or: trl-gspo --config recipe.yaml ...)
 
 Recipe keys are described in `trl_gspo.recipe`. The command validates the recipe, then runs
 `accelerate launch -m trl_gspo.train <same arguments>`; running `accelerate launch [options] -m trl_gspo.train
@@ -11,11 +11,19 @@ from __future__ import annotations
 
 import sys
 
-from .checkpoints import check_resume_before_launch
 from . import launching
-from .recipe import (GSPOScriptArguments, RecipeError, check_launch, describe, make_parser,  # noqa: F401
-                     parse_recipe)
+from .checkpoints import check_resume_before_launch
+from .recipe import (GSPOScriptArguments, RecipeError, check_launch, check_recipe, describe,  # noqa: F401
+                     make_parser, parse_recipe)
 from .rewards import resolve_rewards
+
+USAGE = """usage: trl-gspo RECIPE.yaml [--key value ...] [accelerate launch options]
+       trl-gspo --config RECIPE.yaml [--key value ...]
+
+Trains with GSPO (or any TRL loss type) from a TRL-style YAML recipe; command-line keys override the recipe.
+  trl-gspo recipes/quickstart.yaml                 tiny model, built-in task, offline, about a minute on CPU
+  trl-gspo RECIPE.yaml --dry_run true              check every key and print the resolved run, load no model
+  trl-gspo --help                                  every key (GSPOConfig, ModelConfig, script and dataset keys)"""
 
 # Launched by module name: the command never imports the training code (or the trainer, or torch's models).
 TRAINING_MODULE = "trl_gspo.train"
@@ -35,6 +43,9 @@ def _without(argv: list[str], tokens: list[str]) -> list[str]:
 def main(argv: list[str] | None = None) -> int:
     """Entry point of `trl-gspo`."""
     argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv:
+        print(USAGE, file=sys.stderr)
+        return 2
     note = ""
     try:
         try:
@@ -42,12 +53,17 @@ def main(argv: list[str] | None = None) -> int:
         except ValueError as err:
             # A GPU recipe (bf16) cannot build its TrainingArguments on a machine without a GPU; a dry run still
             # checks every key and value there, with the hardware check switched off.
-            if "--dry_run" not in argv or "bf16/gpu" not in str(err):
+            if "bf16/gpu" not in str(err):
                 raise
+            if "--dry_run" not in argv:
+                raise RecipeError("`bf16: true` needs a GPU, and this machine has none. Fix: run on a GPU machine; "
+                                  "to try the recipe on CPU add `--bf16 false --use_cpu true`; `--dry_run true` "
+                                  "validates it here.") from None
             script_args, training_args, model_args, dataset_args, launch_args, cli_launch_tokens = parse_recipe(
                 argv + ["--use_cpu", "true", "--bf16", "false"]
             )
             note = "(no GPU here: validated with use_cpu=true, bf16=false; the recipe itself asks for bf16)\n"
+        check_recipe(script_args, training_args, model_args, dataset_args, launch_args)
         resolve_rewards(script_args)  # unknown names or a missing verifier fail here, before any process starts
         note += "".join(f"{line}\n" for line in check_launch(script_args, training_args, launch_args,
                                                              dry_run=script_args.dry_run))

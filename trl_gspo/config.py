@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import numbers
 from dataclasses import dataclass, field
 
 from trl import GRPOConfig
@@ -143,6 +144,7 @@ class GSPOConfig(GRPOConfig):
     )
 
     def __post_init__(self):
+        _check_types(self)
         is_gspo = self.loss_type in GSPO_LOSS_TYPES
         if self.epsilon is None:
             self.epsilon = PAPER_EPSILON_LOW if is_gspo else 0.2
@@ -156,6 +158,32 @@ class GSPOConfig(GRPOConfig):
             self.steps_per_generation = PAPER_MINI_BATCHES_PER_ROLLOUT * self.gradient_accumulation_steps
         validate_gspo_args(self)
         super().__post_init__()
+
+
+# Fields that `validate_gspo_args` compares, and their types: a wrong type fails here naming the field, not later
+# inside a comparison (`GSPOConfig(epsilon="3e-4")`). `None` is left to the defaults and to `validate_gspo_args`.
+_FIELD_TYPES = {"loss_type": (str, "a string", "'gspo'"), "importance_sampling_level": (str, "a string", "'sequence'"),
+                "routing_replay": (str, "a string", "'old'"), "routing_replay_offload": (bool, "a bool", "True"),
+                "epsilon": (numbers.Real, "a number", "3e-4"), "epsilon_high": (numbers.Real, "a number", "4e-4"),
+                "beta": (numbers.Real, "a number", "0.0"), "delta": (numbers.Real, "a number", "1.5"),
+                "steps_per_generation": (numbers.Integral, "an integer", "4")}
+
+
+# Sizes below these train nothing or fail deep inside TRL (`num_generations=0`: ZeroDivisionError in its config).
+_MINIMUM_SIZES = {"per_device_train_batch_size": 1, "gradient_accumulation_steps": 1, "num_generations": 2,
+                  "steps_per_generation": 1, "generation_batch_size": 1, "num_iterations": 1, "max_completion_length": 1}
+
+
+def _check_types(args) -> None:
+    for name, (expected, kind, example) in _FIELD_TYPES.items():
+        value = getattr(args, name, None)
+        if value is not None and (not isinstance(value, expected) or (isinstance(value, bool) and expected is not bool)):
+            raise TypeError(f"`{name}` must be {kind}, got {value!r} ({type(value).__name__}). Fix: pass {kind}, "
+                            f"e.g. {name}={example}.")
+    for name, minimum in _MINIMUM_SIZES.items():
+        value = getattr(args, name, None)
+        if isinstance(value, numbers.Real) and value < minimum:
+            raise ValueError(f"`{name}` must be at least {minimum}, got {value}. Fix: set it to {minimum} or more.")
 
 
 def _error(option: str, problem: str, fix: str) -> ValueError:

@@ -18,6 +18,8 @@ import torch
 __all__ = [
     "PolicyLossOutput",
     "check_finite",
+    "nonfinite_counts",
+    "raise_if_nonfinite",
     "sequence_log_ratio",
     "gspo_loss",
     "gspo_token_loss",
@@ -69,18 +71,46 @@ def _compute_dtype(*tensors: torch.Tensor) -> torch.dtype:
     return dtype
 
 
+_NONFINITE_HELP = (
+    "The policy or the rollout produced non-finite log-probabilities (diverged weights, an fp16 overflow, or a bad "
+    "reward scale). Lower the learning rate, use bf16/fp32 instead of fp16, or check the reward functions."
+)
+LOSS_INPUT_NAMES = ("logps", "old_logps", "advantages")
+
+
 def check_finite(name: str, values: torch.Tensor, mask: torch.Tensor | None = None) -> None:
     """Raise ``ValueError`` if ``values`` holds NaN or Inf where ``mask`` is set (everywhere if no mask)."""
     bad = ~torch.isfinite(values)
     if mask is not None:
         bad = bad & mask.bool()
-    if bool(bad.any()):
-        count = int(bad.sum())
-        raise ValueError(
-            f"`{name}` contains {count} NaN/Inf value(s) at valid completion positions. The policy or the "
-            "rollout produced non-finite log-probabilities (diverged weights, an fp16 overflow, or a bad reward "
-            "scale). Lower the learning rate, use bf16/fp32 instead of fp16, or check the reward functions."
-        )
+    count = int(bad.sum())  # one device-to-host sync
+    if count:
+        raise ValueError(f"`{name}` contains {count} NaN/Inf value(s) at valid completion positions. {_NONFINITE_HELP}")
+
+
+def nonfinite_counts(logps: torch.Tensor, old_logps: torch.Tensor, advantages: torch.Tensor,
+                     mask: torch.Tensor) -> torch.Tensor:
+    """``(3,)`` number of NaN/Inf values in ``logps``, ``old_logps`` (at valid tokens) and ``advantages`` (at
+    valid tokens if per-token, else all), as a device tensor: computing it does not wait for the device, so a
+    trainer can read it together with values it reads anyway (see :func:`raise_if_nonfinite`)."""
+    valid = mask.bool()
+    per_token = advantages.shape == mask.shape
+    counts = [
+        (~torch.isfinite(logps) & valid).sum(),
+        (~torch.isfinite(old_logps) & valid).sum(),
+        ((~torch.isfinite(advantages)) & valid).sum() if per_token else (~torch.isfinite(advantages)).sum(),
+    ]
+    return torch.stack(counts)
+
+
+def raise_if_nonfinite(counts) -> None:
+    """Raise ``ValueError`` naming the first loss input with a non-zero count (host numbers, in the order of
+    :func:`nonfinite_counts`)."""
+    for name, count in zip(LOSS_INPUT_NAMES, counts):
+        if count:
+            raise ValueError(
+                f"`{name}` contains {int(count)} NaN/Inf value(s) at valid completion positions. {_NONFINITE_HELP}"
+            )
 
 
 def _check_shapes(logps: torch.Tensor, old_logps: torch.Tensor, mask: torch.Tensor) -> None:
@@ -192,7 +222,8 @@ def gspo_loss(
         mask: ``(B, T)`` 1 for valid completion tokens.
         eps_low: left clip width: ``s_i`` is clipped below at ``1 - eps_low`` (paper: 3e-4).
         eps_high: right clip width: ``s_i`` is clipped above at ``1 + eps_high`` (paper: 4e-4).
-        check_inputs: raise ``ValueError`` on NaN/Inf at valid positions.
+        check_inputs: raise ``ValueError`` on NaN/Inf at valid positions (one device-to-host sync; a trainer can
+            pass False and check :func:`nonfinite_counts` with values it reads anyway, as `GSPOTrainer` does).
         delta: optional cap on the unclipped ratio, ``> 1 + eps_high`` (``None``: off, the paper's objective).
     """
     _check_clip_range(eps_low, eps_high, delta)
@@ -204,10 +235,8 @@ def gspo_loss(
             f"`advantages` must have one value per sequence ({logps.shape[0]}), got shape {tuple(advantages.shape)}. "
             "Per-token advantages need `gspo_token_loss`."
         )
-    if check_inputs:
-        check_finite("logps", logps, mask)
-        check_finite("old_logps", old_logps, mask)
-        check_finite("advantages", advantages)
+    if check_inputs:  # one device-to-host sync for the three checks
+        raise_if_nonfinite(nonfinite_counts(logps, old_logps, advantages, mask).tolist())
     log_ratio = sequence_log_ratio(logps, old_logps, mask)
     ratio = torch.exp(log_ratio)
     advantages = advantages.to(log_ratio.dtype)
@@ -262,10 +291,8 @@ def gspo_token_loss(
         raise ValueError(
             f"`advantages` must have shape (B,), (B, 1) or (B, T) = ({batch}, {length}); got {tuple(advantages.shape)}."
         )
-    if check_inputs:
-        check_finite("logps", logps, mask)
-        check_finite("old_logps", old_logps, mask)
-        check_finite("advantages", advantages, mask if advantages.shape[1] == length else None)
+    if check_inputs:  # one device-to-host sync for the three checks
+        raise_if_nonfinite(nonfinite_counts(logps, old_logps, advantages, mask).tolist())
     log_ratio = sequence_log_ratio(logps, old_logps, mask)
     dtype = log_ratio.dtype
     valid = mask.bool()

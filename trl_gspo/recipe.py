@@ -69,13 +69,36 @@ class GSPOScriptArguments(GRPOScriptArguments):
 
 
 def make_parser(prog: str = "trl-gspo") -> TrlParser:
-    return TrlParser((GSPOScriptArguments, GSPOConfig, ModelConfig, DatasetMixtureConfig), prog=prog)
+    parser = TrlParser((GSPOScriptArguments, GSPOConfig, ModelConfig, DatasetMixtureConfig), prog=prog)
+
+    def error(message: str):  # one line naming the key, instead of argparse's 200-line usage and exit
+        raise RecipeError(f"{message}. Fix: give the key a value of its type (`trl-gspo --help` lists them); write "
+                          "a negative number as `--key=-1e-3`.")
+
+    parser.error = error
+    return parser
 
 
-def _accelerate_option_strings() -> set[str]:
+def _accelerate_options() -> dict:
+    """`accelerate launch`'s option strings and their argparse actions."""
     from accelerate.commands.launch import launch_command_parser
 
-    return set(launch_command_parser()._option_string_actions)
+    return dict(launch_command_parser()._option_string_actions)
+
+
+def _stray_tokens(tokens: list[str], options: dict) -> list[str]:
+    """Tokens that are neither an option nor an option's value (TRL's parser leaves them unread)."""
+    stray, expecting_value = [], False
+    for token in tokens:
+        if token.startswith("--"):
+            key = token.split("=", 1)[0]
+            takes_value = key == "--accelerate_config" or (key in options and options[key].nargs != 0)
+            expecting_value = "=" not in token and takes_value
+        elif expecting_value:
+            expecting_value = False
+        else:
+            stray.append(token)
+    return stray
 
 
 def parse_recipe(argv: list[str]):
@@ -83,10 +106,15 @@ def parse_recipe(argv: list[str]):
 
     Returns `(script_args, training_args, model_args, dataset_args, launch_args, cli_launch_tokens)`: `launch_args`
     are the `accelerate launch` options the recipe or command line named, `cli_launch_tokens` the subsequence of
-    `argv` that holds the command line's own accelerate options. Raises `RecipeError` for unknown keys.
+    `argv` that holds the command line's own accelerate options. `script_args.explicit_keys` names the keys the
+    recipe or command line set. `argv` may start with the recipe path instead of `--config PATH`. Raises
+    `RecipeError` for unknown keys, empty keys and YAML syntax errors.
     """
     from trl.cli.accelerate_config import resolve_accelerate_config_argument
 
+    if argv and not argv[0].startswith("-"):  # `trl-gspo recipe.yaml ...` is `trl-gspo --config recipe.yaml ...`
+        argv = ["--config", *argv]
+    recipe_keys = []
     if "--config" in argv:
         index = argv.index("--config")
         if index + 1 >= len(argv):
@@ -95,11 +123,13 @@ def parse_recipe(argv: list[str]):
         if not os.path.isfile(path):
             raise RecipeError(f"recipe file {path!r} does not exist. Fix: pass the path of a YAML recipe, "
                               "e.g. `--config recipes/quickstart.yaml`.")
+        recipe_keys = list(_check_recipe_file(path))
     parser = make_parser()
     *dataclasses, config_remaining, cli_remaining = parser.parse_args_and_config(
         argv, return_remaining_strings=True, separate_remaining_strings=True
     )
-    known = _accelerate_option_strings()
+    options = _accelerate_options()
+    known = set(options)
     for source, remaining in (("recipe", config_remaining), ("command line", cli_remaining)):
         for token in remaining:
             if token.startswith("--") and token.split("=", 1)[0] not in known | {"--accelerate_config"}:
@@ -109,13 +139,53 @@ def parse_recipe(argv: list[str]):
                     "nor an `accelerate launch` option. Fix: check its spelling against `trl-gspo --help` "
                     "(or remove it)."
                 )
+    for token in _stray_tokens(cli_remaining, options):
+        hint = (" (a recipe path goes first, or after `--config`)" if token.endswith((".yaml", ".yml")) else "")
+        raise RecipeError(f"unexpected `{token}` on the command line: after the recipe, arguments are `--key value` "
+                          f"pairs{hint}. Fix: remove it, or add the key it is the value of.")
     if "--config" in argv:  # a recipe's relative accelerate_config path is relative to the recipe file
         config_remaining = _relative_to_recipe(config_remaining, os.path.dirname(argv[argv.index("--config") + 1]))
     try:
         launch_args = resolve_accelerate_config_argument(config_remaining + cli_remaining)
     except ValueError as err:
         raise RecipeError(f"`accelerate_config`: {err}") from None
+    # The keys the user set (recipe and command line), where a default and an explicit value mean different things.
+    dataclasses[0].explicit_keys = frozenset(recipe_keys + [t[2:].split("=", 1)[0] for t in argv if t.startswith("--")])
     return (*dataclasses, launch_args, cli_remaining)
+
+
+def _check_recipe_file(path: str) -> dict:
+    """The recipe's mapping. Refuses a YAML syntax error as `file:line:column`, and keys left empty (YAML reads
+    `key:` as null) where the field cannot be None, before TRL's parser turns them into a traceback or into a `None`
+    that fails inside the optimizer."""
+    import typing
+
+    import yaml
+
+    try:
+        with open(path) as handle:
+            recipe = yaml.safe_load(handle)
+    except yaml.YAMLError as err:
+        mark, context = getattr(err, "problem_mark", None), getattr(err, "context_mark", None)
+        where = f"{path}:{mark.line + 1}:{mark.column + 1}" if mark else path
+        problem = getattr(err, "problem", None) or str(err).splitlines()[0]
+        if context is not None and getattr(err, "context", None):  # e.g. an unclosed `[`: where it was opened
+            problem += f" ({err.context} that starts at line {context.line + 1}, column {context.column + 1})"
+        raise RecipeError(f"{where}: YAML syntax error: {problem}. Fix: correct the recipe there "
+                          "(`key: value`, lists as `[a, b]`).") from None
+    if not isinstance(recipe, dict):
+        raise RecipeError(f"{path}: a recipe is a YAML mapping of `key: value` lines, got {type(recipe).__name__}. "
+                          "Fix: see recipes/quickstart.yaml.")
+    hints = {}
+    for cls in reversed((GSPOScriptArguments, GSPOConfig, ModelConfig, DatasetMixtureConfig)):
+        hints.update(typing.get_type_hints(cls))
+    for key, value in recipe.items():
+        hint = hints.get(key)
+        if value is None and hint is not None and type(None) not in typing.get_args(hint) and hint is not type(None):
+            raise RecipeError(f"`{key}` is empty in {path} (YAML reads `{key}:` with no value as null), and it needs "
+                              f"a `{getattr(hint, '__name__', hint)}`. Fix: give it a value, or delete the line for the "
+                              "default.")
+    return recipe
 
 
 def _relative_to_recipe(tokens: list[str], recipe_dir: str) -> list[str]:
@@ -192,21 +262,34 @@ def has_accelerator() -> bool:
     return torch.accelerator.is_available() and torch.accelerator.current_accelerator().type != "mps"
 
 
-def launcher_type(launch_args: list[str]) -> str:
-    """The `distributed_type` the `accelerate launch` options select: DEEPSPEED, FSDP, MULTI_GPU, NO, ..."""
+def _launch_options(launch_args: list[str]):
+    """The parsed `accelerate launch` options, and the accelerate config file they name (a dict, maybe empty)."""
     from accelerate.commands.launch import launch_command_parser
 
     options = launch_command_parser().parse_args(launch_args + ["--module", "trl_gspo.train"])
-    if options.use_deepspeed:
-        return "DEEPSPEED"
-    if options.use_fsdp:
-        return "FSDP"
+    config = {}
     if options.config_file and os.path.isfile(options.config_file):
         import yaml
 
         with open(options.config_file) as handle:
-            return str((yaml.safe_load(handle) or {}).get("distributed_type", "NO")).upper()
-    return "NO"
+            config = yaml.safe_load(handle) or {}
+    return options, config
+
+
+def launcher_type(launch_args: list[str]) -> str:
+    """The `distributed_type` the `accelerate launch` options select: DEEPSPEED, FSDP, MULTI_GPU, NO, ..."""
+    options, config = _launch_options(launch_args)
+    if options.use_deepspeed:
+        return "DEEPSPEED"
+    if options.use_fsdp:
+        return "FSDP"
+    return str(config.get("distributed_type", "NO")).upper()
+
+
+def launched_processes(launch_args: list[str]) -> int:
+    """How many training processes the launch options start (over all machines)."""
+    options, config = _launch_options(launch_args)
+    return int(options.num_processes or config.get("num_processes") or 1)
 
 
 def check_launch(script_args, training_args, launch_args: list[str], dry_run: bool = False) -> list[str]:
@@ -228,3 +311,121 @@ def check_launch(script_args, training_args, launch_args: list[str], dry_run: bo
                 raise RecipeError(message)
             notes.append(f"(launching here would be refused: {message})")
     return notes
+
+
+def check_recipe(script_args, training_args, model_args, dataset_args, launch_args: list[str] | None = None,
+                 probe_dataset: bool = True) -> None:
+    """Everything about a recipe that can be checked offline and without a model; raises `RecipeError` naming the
+    key and the fix. Run by `trl-gspo` (also for `--dry_run`) before anything is launched, with its `accelerate
+    launch` options, and by each launched process before it loads a model (`launch_args=None`, `probe_dataset=False`:
+    it loads the dataset right after and checks its size exactly)."""
+    args = training_args  # its sizes (batch, generations, ...) are checked by GSPOConfig itself
+    if args.learning_rate < 0:
+        raise RecipeError(f"`learning_rate` must be >= 0, got {args.learning_rate}. Fix: e.g. learning_rate: 1e-6.")
+    if not args.temperature > 0:
+        raise RecipeError(f"`temperature` must be > 0 (completions are sampled), got {args.temperature}. Fix: e.g. "
+                          "temperature: 1.0.")
+    if args.max_steps <= 0 and not args.num_train_epochs > 0:
+        raise RecipeError(f"nothing to train: `max_steps` is {args.max_steps} and `num_train_epochs` is "
+                          f"{args.num_train_epochs}. Fix: set max_steps or num_train_epochs > 0.")
+    _check_output_dir(args.output_dir)
+    _check_model(model_args)
+    if script_args.sft_steps and not (script_args.dataset_name or "").startswith(BUILTIN_PREFIX):
+        raise RecipeError("`sft_steps` needs a `builtin:` dataset (it trains on the task's reference answers). "
+                          "Fix: set sft_steps: 0, or cold-start your model with `trl sft` first.")
+    size = _dataset_size(script_args, dataset_args, probe_dataset)
+    if size is not None and launch_args is not None:
+        check_dataset_size(size, args, script_args, launched_processes(launch_args))
+
+
+def check_dataset_size(size: int, training_args, script_args, processes: int = 1, launched: bool = False) -> None:
+    """Refuse a training split smaller than one rollout batch: TRL's sampler keeps only whole rollout batches, so the
+    run would end after 0 optimizer steps and save an untrained model. In a launched process (`launched=True`)
+    `generation_batch_size` already counts every process; before launch it is per process unless set explicitly."""
+    args = training_args
+    explicit = "generation_batch_size" in getattr(script_args, "explicit_keys", ())
+    completions = args.generation_batch_size * (1 if explicit or launched else processes)
+    prompts = completions // args.num_generations
+    if size < prompts:
+        batch = (f"generation_batch_size={completions}" if explicit else
+                 f"per_device_train_batch_size={args.per_device_train_batch_size} x {processes} process(es) x "
+                 f"steps_per_generation={args.steps_per_generation}")
+        raise RecipeError(
+            f"the training split has {size} prompts, fewer than one rollout batch: {prompts} prompts x "
+            f"{args.num_generations} generations = {completions} completions ({batch}); no optimizer step would "
+            f"run. Fix: use a larger dataset"
+            f"{' (builtin_num_examples)' if (script_args.dataset_name or '').startswith(BUILTIN_PREFIX) else ''}, "
+            "or lower per_device_train_batch_size / steps_per_generation."
+        )
+
+
+def _check_output_dir(output_dir: str) -> None:
+    """`output_dir` can be created and written: probed with a temporary directory in it, or in its nearest existing
+    parent (removed again), so a run does not train for minutes and then fail to save."""
+    import tempfile
+
+    path = os.path.abspath(output_dir)
+    existing = path
+    while not os.path.exists(existing):
+        existing = os.path.dirname(existing)
+    if not os.path.isdir(existing):
+        raise RecipeError(f"`output_dir`: {existing} is a file, so {output_dir!r} cannot be created. Fix: choose "
+                          "another output_dir.")
+    try:
+        os.rmdir(tempfile.mkdtemp(prefix=".trl-gspo-probe-", dir=existing))
+    except OSError as err:
+        raise RecipeError(f"`output_dir`: cannot create {output_dir!r} ({err.strerror} in {existing}). Fix: choose "
+                          "a writable output_dir.") from None
+
+
+def _check_model(model_args) -> None:
+    name = model_args.model_name_or_path
+    if not name:
+        raise RecipeError("`model_name_or_path` is not set. Fix: builtin:tiny-qwen3-moe, a hub id or a local path.")
+    if name.startswith(BUILTIN_PREFIX) and name[len(BUILTIN_PREFIX):] not in BUILTIN_MODELS:
+        raise RecipeError(f"`model_name_or_path`: unknown built-in {name!r}. Fix: use one of "
+                          f"{[BUILTIN_PREFIX + m for m in BUILTIN_MODELS]} or a hub id / local path.")
+
+
+def _dataset_size(script_args, dataset_args, probe: bool) -> int | None:
+    """The training split's number of prompts where it is known without loading the data (`None` otherwise); checks
+    that the dataset exists: a built-in name, a local path, or a hub id `datasets` can resolve (its metadata only)."""
+    name = script_args.dataset_name
+    if name and dataset_args.datasets:  # `trl grpo` would use `datasets` and only log that `dataset_name` is ignored
+        raise RecipeError(f"both `dataset_name` ({name!r}) and `datasets` are set; one of them would be ignored. "
+                          "Fix: keep one (list several datasets under `datasets`).")
+    if name and name.startswith(BUILTIN_PREFIX):
+        if name[len(BUILTIN_PREFIX):] not in BUILTIN_DATASETS:
+            raise RecipeError(f"`dataset_name`: unknown built-in {name!r}. Fix: use one of "
+                              f"{[BUILTIN_PREFIX + d for d in BUILTIN_DATASETS]}.")
+        return script_args.builtin_num_examples
+    if dataset_args.datasets:
+        for entry in dataset_args.datasets:
+            if probe:
+                _probe_dataset("datasets", entry.path, entry.name, data_dir=entry.data_dir, data_files=entry.data_files)
+        return None
+    if not name:
+        raise RecipeError("no dataset: set `dataset_name` (e.g. builtin:addition or a hub id) or `datasets`.")
+    if not probe:
+        return None
+    info = _probe_dataset("dataset_name", name, script_args.dataset_config)
+    split = (info.splits or {}).get(script_args.dataset_train_split) if info is not None else None
+    return split.num_examples if split is not None and split.num_examples else None
+
+
+def _probe_dataset(key: str, path: str, config_name: str | None, **data):
+    """The `DatasetInfo` of a hub dataset (metadata only, from the cache when offline); `None` for a local path."""
+    if os.path.exists(path):
+        return None
+    import datasets
+
+    try:
+        return datasets.load_dataset_builder(path, config_name, **data).info
+    except Exception as err:  # ConnectionError offline, DatasetNotFoundError, a wrong config name, ...
+        offline = datasets.config.HF_HUB_OFFLINE
+        raise RecipeError(
+            f"`{key}`: {path!r} is neither a local path nor a dataset `datasets` can load"
+            f"{' (offline mode: HF_HUB_OFFLINE / HF_DATASETS_OFFLINE is set and it is not cached)' if offline else ''}: "
+            f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}. Fix: check the name"
+            f"{' and dataset_config' if config_name else ''}, give a local path, or download it once online."
+        ) from None

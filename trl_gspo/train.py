@@ -11,7 +11,7 @@ import sys
 import time
 
 from .recipe import (BUILTIN_MODELS, BUILTIN_PREFIX, FSDP_WITHOUT_ACCELERATOR, SFT_UNDER_DEEPSPEED, RecipeError,
-                     describe, load_dataset, parse_recipe)
+                     check_dataset_size, check_recipe, describe, load_dataset, parse_recipe)
 from .rewards import resolve_rewards
 
 
@@ -88,16 +88,24 @@ def run(script_args, training_args, model_args, dataset_args) -> "GSPOTrainer": 
     from .reporting import RunReportCallback
     from .trainer import GSPOTrainer
 
-    if script_args.sft_steps and not (script_args.dataset_name or "").startswith(BUILTIN_PREFIX):
-        raise RecipeError("`sft_steps` needs a `builtin:` dataset (it trains on the task's reference answers). "
-                          "Fix: set sft_steps: 0, or cold-start your model with `trl sft` first.")
+    check_recipe(script_args, training_args, model_args, dataset_args, probe_dataset=False)
     check_distributed_setup(training_args)
     rewards = resolve_rewards(script_args)
     dataset = load_dataset(script_args, dataset_args)
+    splits = {"dataset_train_split": script_args.dataset_train_split}
+    if training_args.eval_strategy != "no":
+        splits["dataset_test_split"] = script_args.dataset_test_split
+    for key, split in splits.items():
+        if split not in dataset:
+            raise RecipeError(f"`{key}`: the dataset has no split {split!r} (it has {sorted(dataset)}). Fix: set "
+                              f"{key} to one of them{' or eval_strategy: no' if key == 'dataset_test_split' else ''}.")
+    train_dataset = dataset[script_args.dataset_train_split]
+    if hasattr(train_dataset, "__len__"):  # exact here: generation_batch_size counts every launched process
+        from accelerate import PartialState
+
+        check_dataset_size(len(train_dataset), training_args, script_args, PartialState().num_processes, launched=True)
 
     model = model_args.model_name_or_path
-    if model is None:
-        raise RecipeError("`model_name_or_path` is not set. Fix: builtin:tiny-qwen3-moe, a hub id or a local path.")
     if model.startswith(BUILTIN_PREFIX):
         model = _prepare_builtin_model(script_args, training_args, model_args)
     model_init_kwargs = dict(revision=model_args.model_revision, trust_remote_code=training_args.trust_remote_code,
@@ -109,7 +117,7 @@ def run(script_args, training_args, model_args, dataset_args) -> "GSPOTrainer": 
         model=model,
         reward_funcs=rewards,
         args=training_args,
-        train_dataset=dataset[script_args.dataset_train_split],
+        train_dataset=train_dataset,
         eval_dataset=dataset[script_args.dataset_test_split] if training_args.eval_strategy != "no" else None,
         quantization_config=get_quantization_config(model_args),
         peft_config=get_peft_config(model_args),
@@ -135,12 +143,17 @@ def run(script_args, training_args, model_args, dataset_args) -> "GSPOTrainer": 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     try:
+        # A recipe that does not parse (a wrong type, an impossible value) is one line, as in `trl-gspo`.
         script_args, training_args, model_args, dataset_args, launch_args, _ = parse_recipe(argv)
-        if script_args.dry_run:
-            print(describe(script_args, training_args, model_args, dataset_args, launch_args))
-            return 0
+    except (ValueError, TypeError) as err:
+        print(f"trl-gspo: error: {err}", file=sys.stderr)
+        return 2
+    if script_args.dry_run:
+        print(describe(script_args, training_args, model_args, dataset_args, launch_args))
+        return 0
+    try:
         run(script_args, training_args, model_args, dataset_args)
-    except RecipeError as err:
+    except RecipeError as err:  # only our own refusals: an error inside training keeps its traceback
         print(f"trl-gspo: error: {err}", file=sys.stderr)
         return 2
     return 0

@@ -3,6 +3,7 @@ logging, distributed training, checkpoints) is TRL's own."""
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import json
 import os
@@ -22,6 +23,8 @@ from .losses import (
     k3_kl,
     masked_sequence_mean,
     masked_token_mean,
+    nonfinite_counts,
+    raise_if_nonfinite,
     sequence_log_ratio,
 )
 
@@ -46,8 +49,9 @@ class GSPOTrainer(GRPOTrainer):
     The loss for gspo types (see `trl_gspo.losses`):
     `loss = mean_i [ mean_t (policy_loss_i,t * w_i,t + beta * KL_i,t) ] / gradient_accumulation_steps`
     where `w` is the product of TRL's optional token weights (off-policy sequence mask, top-entropy token mask,
-    vLLM importance-sampling correction). This is TRL's `"grpo"` aggregation, so multi-process and gradient
-    accumulation normalization match TRL's `loss_type="grpo"` exactly.
+    vLLM importance-sampling correction), minus TRL's entropy bonus (fixed or adaptive) and plus the MoE aux loss.
+    This is TRL's `"grpo"` aggregation, so multi-process and gradient accumulation normalization match TRL's
+    `loss_type="grpo"` exactly; every TRL option that shapes that loss is honoured (docs/trl_contract.md).
     """
 
     def __init__(self, model, reward_funcs=None, args=None, *positional, **kwargs):
@@ -69,8 +73,10 @@ class GSPOTrainer(GRPOTrainer):
 
         self.routing_replay_mode = getattr(self.args, "routing_replay", "none")
         self._routing = None
-        self._open_replay = None
-        self._record_next_logps_call = False
+        self._old_pass_runs = runs_old_policy_pass(self.args)
+        self._recordings = None  # (logps, routing indices) of each policy pass in the current generation round
+        self._replay_stack = None  # open while a training micro-batch runs forward and backward
+        self._replay_opened = False
         base = self.accelerator.unwrap_model(self.model)
         base = base.get_base_model() if hasattr(base, "get_base_model") else base
         if not find_routers(base):
@@ -84,47 +90,70 @@ class GSPOTrainer(GRPOTrainer):
             if self.routing_replay_mode != "none":
                 raise ValueError(f"`routing_replay`: {err}") from None
             return  # drift measurement is optional; replay was not asked for
-        self._old_pass_runs = runs_old_policy_pass(self.args)
         if not self._old_pass_runs and self.routing_replay_mode != "none":
             logger.warning_once("routing_replay='old' with fully on-policy training: TRL runs no "
-                       "old-policy pass, so there is nothing to record and replay changes nothing. Set "
-                       "steps_per_generation > gradient_accumulation_steps or num_iterations > 1.")
+                                "old-policy pass, so there is nothing to record and replay changes nothing. Set "
+                                "steps_per_generation > gradient_accumulation_steps or num_iterations > 1.")
 
     def _generate_and_score_completions(self, inputs):
         recording = self._routing is not None and self._old_pass_runs and self.model.training
-        self._record_next_logps_call, self._pending_recording = recording, None
-        output = super()._generate_and_score_completions(inputs)
-        self._record_next_logps_call = False
-        if self._pending_recording is not None:
-            # Batch-first, so TRL's shuffle/split keeps it aligned with its sequences.
-            output["routing_indices"] = self._pending_recording
+        self._recordings = [] if recording else None
+        try:
+            output = super()._generate_and_score_completions(inputs)
+        finally:
+            recordings, self._recordings = self._recordings, None
+        if recordings is None:
+            return output
+        # The old-policy pass is the one whose log-probs TRL stored as `old_per_token_logps` (the same tensor
+        # object): identified positively, whatever the order of TRL's passes (docs/trl_contract.md).
+        old_logps = output.get("old_per_token_logps")
+        matches = [indices for logps, indices in recordings if logps is old_logps]
+        if len(matches) == 1:
+            output["routing_indices"] = matches[0]  # batch-first: TRL's shuffle/split keeps it aligned
+        elif self.routing_replay_mode == "old":
+            raise RuntimeError(
+                f"routing_replay='old': none of the {len(recordings)} policy-model log-prob passes of this generation "
+                "round produced the `old_per_token_logps` TRL stored, so the old-policy routing cannot be identified "
+                "(this TRL version computes or stores them differently; see docs/trl_contract.md). Fix: use the TRL "
+                "version tests/test_trl_contract.py passes with, or set routing_replay='none'."
+            )
         return output
 
     def _get_per_token_logps_and_entropies(self, model, *args, **kwargs):
-        # The first call of a generation round in train mode is TRL's old-policy pass; the reference pass comes
-        # later and keeps natural routing (it neither records nor replays).
-        if not self._record_next_logps_call:
+        # During a generation round, record the routing of every pass of the policy model (the reference model
+        # keeps natural routing); `_generate_and_score_completions` keeps the old-policy pass's recording.
+        if self._recordings is None or model is not self.model:
             return super()._get_per_token_logps_and_entropies(model, *args, **kwargs)
-        self._record_next_logps_call = False
         with self._routing.record() as recording:
             result = super()._get_per_token_logps_and_entropies(model, *args, **kwargs)
-        self._pending_recording = recording.indices
+        self._recordings.append((result[0], recording.indices))
         return result
 
-    def _enter_routing_replay(self, inputs, attention_mask) -> None:
-        """Open replay (or drift-only measurement) for this micro-batch; closed after backward."""
+    def _routing_replay_for(self, inputs, attention_mask):
+        """The replay (or drift-only measurement) context for a training micro-batch, or None."""
         indices = inputs.get("routing_indices")
-        if self._routing is None or indices is None or not self.model.training:
-            return
+        if indices is None:
+            if self.routing_replay_mode == "old" and self._old_pass_runs:
+                raise RuntimeError(
+                    "routing_replay='old': this off-policy training micro-batch carries no routing recorded in TRL's "
+                    "old-policy pass, so it would silently train on natural routing. Cause: its rollout batch was "
+                    "built without routing replay (e.g. resumed from a checkpoint saved with routing_replay='none'), "
+                    "or by code that bypasses GSPOTrainer._generate_and_score_completions. Fix: resume from a "
+                    "checkpoint saved with routing_replay='old' (or start from a rollout boundary), or set "
+                    "routing_replay='none'."
+                )
+            return None
+        if tuple(indices.shape[:2]) != tuple(attention_mask.shape):
+            raise RuntimeError(
+                f"routing_replay: the micro-batch's routing recording covers {tuple(indices.shape[:2])} (batch, "
+                f"tokens) but its inputs are {tuple(attention_mask.shape)}, so the recorded experts cannot be matched "
+                "to its tokens. Cause: the batch was padded, truncated or re-split after the old-policy pass. Fix: "
+                "keep `routing_indices` split with the batch it was recorded on, or set routing_replay='none'."
+            )
         force = None if self.routing_replay_mode == "old" else torch.zeros_like(attention_mask, dtype=torch.bool)
-        self._open_replay = self._routing.replay(indices, mask=force, stats_mask=attention_mask)
-        self._open_replay.__enter__()
+        return self._routing.replay(indices, mask=force, stats_mask=attention_mask)
 
-    def _close_routing_replay(self) -> None:
-        if self._open_replay is None:
-            return
-        replay, self._open_replay = self._open_replay, None
-        replay.__exit__(None, None, None)
+    def _log_routing_metrics(self) -> None:
         from .routing import drift_statistics
 
         # Sum token counts over ranks before dividing, so the metrics are over all ranks' tokens.
@@ -137,15 +166,28 @@ class GSPOTrainer(GRPOTrainer):
             metrics["routing/replayed_token_fraction"].append(overridden_fraction)
 
     def training_step(self, model, inputs, num_items_in_batch):
-        try:
+        if self._routing is None:
             return super().training_step(model, inputs, num_items_in_batch)
-        finally:
-            # After backward: checkpointed layers re-run their routers during backward and must still replay.
-            self._close_routing_replay()
+        # The replay stays open until backward has finished (checkpointed layers re-run their routers there). The
+        # ExitStack closes it with the exception of a failed forward/backward, so that exception is the one raised.
+        self._replay_opened = False
+        with contextlib.ExitStack() as stack:
+            self._replay_stack = stack
+            try:
+                loss = super().training_step(model, inputs, num_items_in_batch)
+            finally:
+                self._replay_stack = None
+        if self._replay_opened:  # closed without error: its drift statistics are complete
+            self._log_routing_metrics()
+        return loss
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
-        attention_mask = torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], dim=1)
-        self._enter_routing_replay(inputs, attention_mask)
+        if self._replay_stack is not None and self.model.training:
+            attention_mask = torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], dim=1)
+            replay = self._routing_replay_for(inputs, attention_mask)
+            if replay is not None:
+                self._replay_stack.enter_context(replay)
+                self._replay_opened = True
         return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
 
     # ------------------------------------------------------------------ checkpoints (see trl_gspo/checkpoints.py)
@@ -255,7 +297,8 @@ class GSPOTrainer(GRPOTrainer):
             completion_ids.size(1),
             compute_entropy=True,
             compute_aux_loss=self.aux_loss_enabled,
-            **{key: inputs.get(key) for key in _FORWARD_BATCH_KEYS},
+            # Only keys the batch has: an argument a new TRL adds keeps its default instead of receiving None.
+            **{key: inputs[key] for key in _FORWARD_BATCH_KEYS if key in inputs},
         )
         # TRL skips the old-policy pass when training is fully on-policy: then pi_old = pi_theta, every ratio is 1.
         old_logps = inputs.get("old_per_token_logps")
@@ -267,12 +310,15 @@ class GSPOTrainer(GRPOTrainer):
                     "`loss_type='gspo'` needs one advantage per sequence but the batch holds per-token advantages "
                     f"of shape {tuple(inputs['advantages'].shape)}. Fix: use `loss_type='gspo_token'`."
                 )
-            out = gspo_loss(logps, old_logps, inputs["advantages"], mask, self.epsilon_low, self.epsilon_high,
-                            delta=self.args.delta)
+            advantages = inputs["advantages"]
+            out = gspo_loss(logps, old_logps, advantages, mask, self.epsilon_low, self.epsilon_high,
+                            check_inputs=False, delta=self.args.delta)
         else:
             advantages = self.token_advantages(inputs, mask)
             out = gspo_token_loss(logps, old_logps, advantages, mask, self.epsilon_low, self.epsilon_high,
-                                  delta=self.args.delta)
+                                  check_inputs=False, delta=self.args.delta)
+        # Checked without waiting for the device: read with the metrics below, before backward can run.
+        nonfinite = nonfinite_counts(logps.detach(), old_logps, advantages, mask)
 
         # Optional per-token weights from TRL features, applied as TRL's "grpo" loss applies them.
         per_token_loss = out.per_token_loss
@@ -305,10 +351,10 @@ class GSPOTrainer(GRPOTrainer):
                 self._metrics[mode]["entropy_coef"].append(self.entropy_coef)
         if self.aux_loss_enabled:
             loss = loss + self.router_aux_loss_coef * aux_loss / accumulation
-            self._metrics[mode]["aux_loss"].append(self.accelerator.gather(aux_loss.detach()).mean().item())
 
-        self._log_gspo_metrics(mode, out, mask, entropies, policy_loss.detach(),
-                               per_token_kl if self.beta != 0.0 else None)
+        self._log_gspo_metrics(mode, out, mask, entropies.detach(), policy_loss.detach(),
+                               per_token_kl.detach() if self.beta != 0.0 else None,
+                               aux_loss.detach() if self.aux_loss_enabled else None, nonfinite)
         return loss
 
     def _update_entropy_controller(self, entropies, mask):
@@ -345,50 +391,75 @@ class GSPOTrainer(GRPOTrainer):
         )
 
     # ------------------------------------------------------------------ metrics
-    def _log_gspo_metrics(self, mode, out, mask, entropies, policy_loss, per_token_kl):
-        """Logged through TRL's `_metrics`, so every `report_to` backend receives them. See docs/metrics.md."""
-        gather = self.accelerator.gather
-        metrics = self._metrics[mode]
-        valid = mask.bool()
-        has_tokens = valid.any(-1)
+    def _log_gspo_metrics(self, mode, out, mask, entropies, policy_loss, per_token_kl, aux_loss, nonfinite):
+        """Logged through TRL's `_metrics`, so every `report_to` backend receives them. See docs/metrics.md.
 
-        def global_token_mean(values):
-            totals = self.accelerator.reduce(
-                torch.stack([(values * mask).sum().float(), mask.sum().float()]), reduction="sum"
-            )
-            return (totals[0] / totals[1].clamp(min=1.0)).item()
-
+        All values are computed on the device, reduced over ranks with one `reduce` and one `gather`, and read to
+        the host in one transfer, together with the NaN/Inf counts of the loss inputs: the step waits for the device
+        once here instead of once per metric and check. A non-finite input raises before backward, on every rank
+        (the counts are summed over ranks)."""
+        acc = self.accelerator
+        mask = mask.float()
+        one = torch.ones((), device=mask.device)
+        # Sums over every rank's tokens (token means) and over ranks (per-rank means), in one reduce.
+        sums = {
+            "tokens": mask.sum(),
+            "entropy": (entropies.float() * mask).sum(),
+            "clipped": ((out.low_clipped | out.high_clipped).float() * mask).sum(),
+            "policy_loss": policy_loss.float(),
+            "ranks": one,
+        }
         if per_token_kl is not None:
-            metrics["kl"].append(global_token_mean(per_token_kl.detach()))
-        metrics["entropy"].append(global_token_mean(entropies.detach()))
-        metrics["policy_loss"].append(gather(policy_loss).mean().item())
-
-        # Sequence-level clip indicators: a sequence counts as clipped if its ratio was clipped (for gspo_token
-        # with per-token advantages: if any of its tokens was).
-        low_seq = out.low_clipped.any(-1).float()
-        high_seq = out.high_clipped.any(-1).float()
-        region_seq = (out.low_clipped | out.high_clipped).any(-1).float()
-        low_seq, high_seq, region_seq = gather(low_seq), gather(high_seq), gather(region_seq)
-        metrics["clip_ratio/low_mean"].append(low_seq.mean().item())
-        metrics["clip_ratio/low_min"].append(low_seq.min().item())
-        metrics["clip_ratio/high_mean"].append(high_seq.mean().item())
-        metrics["clip_ratio/high_max"].append(high_seq.max().item())
-        metrics["clip_ratio/region_mean"].append(region_seq.mean().item())
-        # The paper's "fraction of clipped tokens": completion tokens whose objective term was clipped.
-        clipped_tokens = (out.low_clipped | out.high_clipped).float()
-        metrics["gspo/clipped_token_fraction"].append(global_token_mean(clipped_tokens))
+            sums["kl"] = (per_token_kl.float() * mask).sum()
         if self.args.delta is not None:
-            metrics["gspo/delta_clipped_token_fraction"].append(global_token_mean(out.delta_clipped.float()))
+            sums["delta_clipped"] = (out.delta_clipped.float() * mask).sum()
+        if aux_loss is not None:
+            sums["aux_loss"] = aux_loss.float()
+        totals = dict(zip(sums, acc.reduce(torch.stack(list(sums.values())), reduction="sum")))
+        nonfinite = acc.reduce(nonfinite.float(), reduction="sum")
+        tokens = totals["tokens"].clamp(min=1.0)
 
-        log_ratio = gather(out.log_ratio.float())
-        nonempty = gather(has_tokens)
-        log_ratio = log_ratio[nonempty] if bool(nonempty.any()) else log_ratio.new_zeros(1)
+        # Per-sequence values of every rank, in one gather. A sequence counts as clipped if its ratio was (for
+        # gspo_token with per-token advantages: if any of its tokens was).
+        per_sequence = acc.gather(torch.stack([
+            out.low_clipped.any(-1).float(), out.high_clipped.any(-1).float(),
+            (out.low_clipped | out.high_clipped).any(-1).float(), out.log_ratio.float(), (mask.sum(-1) > 0).float(),
+        ], dim=1))
+        low, high, region, log_ratio, nonempty = per_sequence.unbind(1)
+        # Ratio statistics over non-empty sequences (all 1 / 0 when there is none).
+        nonempty = nonempty.bool()
+        count = nonempty.sum()
+        log_ratio = torch.where(nonempty, log_ratio, torch.zeros_like(log_ratio))
         ratio = log_ratio.exp()
-        metrics["gspo/ratio_mean"].append(ratio.mean().item())
-        metrics["gspo/ratio_std"].append(ratio.std().item() if ratio.numel() > 1 else 0.0)
-        metrics["gspo/ratio_min"].append(ratio.min().item())
-        metrics["gspo/ratio_max"].append(ratio.max().item())
-        metrics["gspo/log_ratio_abs_max"].append(log_ratio.abs().max().item())
+        ratio_mean = (ratio * nonempty).sum() / count.clamp(min=1)
+        ratio_var = ((ratio - ratio_mean) ** 2 * nonempty).sum() / (count - 1).clamp(min=1)
+        inf = torch.full_like(ratio, float("inf"))
+
+        values = {
+            "entropy": totals["entropy"] / tokens,
+            "policy_loss": totals["policy_loss"] / totals["ranks"],
+            "clip_ratio/low_mean": low.mean(), "clip_ratio/low_min": low.min(),
+            "clip_ratio/high_mean": high.mean(), "clip_ratio/high_max": high.max(),
+            "clip_ratio/region_mean": region.mean(),
+            # The paper's "fraction of clipped tokens": completion tokens whose objective term was clipped.
+            "gspo/clipped_token_fraction": totals["clipped"] / tokens,
+            "gspo/ratio_mean": torch.where(count > 0, ratio_mean, one),
+            "gspo/ratio_std": torch.where(count > 1, ratio_var.sqrt(), 0 * one),
+            "gspo/ratio_min": torch.where(count > 0, torch.where(nonempty, ratio, inf).min(), one),
+            "gspo/ratio_max": torch.where(count > 0, torch.where(nonempty, ratio, -inf).max(), one),
+            "gspo/log_ratio_abs_max": log_ratio.abs().max(),
+        }
+        if per_token_kl is not None:
+            values["kl"] = totals["kl"] / tokens
+        if aux_loss is not None:
+            values["aux_loss"] = totals["aux_loss"] / totals["ranks"]
+        if self.args.delta is not None:
+            values["gspo/delta_clipped_token_fraction"] = totals["delta_clipped"] / tokens
+        host = torch.cat([nonfinite, torch.stack(list(values.values())).float()]).tolist()  # the one sync
+        raise_if_nonfinite(host[:3])
+        metrics = self._metrics[mode]
+        for name, value in zip(values, host[3:]):
+            metrics[name].append(value)
 
 
 def _refuse_unused_token_advantages(trainer_cls, args) -> None:
