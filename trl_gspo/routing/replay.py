@@ -37,9 +37,10 @@ def route_changes(indices: torch.Tensor, other: torch.Tensor, per_layer: bool = 
     """Which tokens were routed to a different set of experts in two recordings of the same inputs.
 
     Args:
-        indices, other: `[batch, seq_len, moe_layers, top_k]` expert indices (e.g. `Recording.indices` from the
-            old-policy pass and from the training pass). The order of the k experts within a token is ignored:
-            only the set counts, as it is the set that decides which experts run.
+        indices: `[batch, seq_len, moe_layers, top_k]` expert indices of one pass (e.g. `Recording.indices` of the
+            old-policy pass). The order of the k experts within a token is ignored: only the set counts, as it is
+            the set that decides which experts run.
+        other: the same for the other pass (e.g. the training pass), same shape.
         per_layer: return `[batch, seq_len, moe_layers]` (changed in that layer) instead of `[batch, seq_len]`
             (changed in at least one layer).
 
