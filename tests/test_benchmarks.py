@@ -41,6 +41,16 @@ def test_reproduction_runs_all_arms_and_reports(tmp_path):
     assert all(f"| {arm} | 1 |" in table for arm in ("gspo", "grpo", "grpo_rr"))
     assert (tmp_path / "curves.png").stat().st_size > 10_000
 
+    # Deterministic on one machine: a second run from scratch (SFT included) gives identical numbers.
+    _run(BENCHMARKS / "reproduce" / "run.py", "--size", "smoke", "--seeds", "0", "--jobs", "1", "--arms",
+         "grpo_rr", "--out", tmp_path / "again")
+    import json
+
+    first = next(r for r in json.loads((tmp_path / "results.json").read_text()) if r["arm"] == "grpo_rr")
+    again, = json.loads((tmp_path / "again" / "results.json").read_text())
+    assert first.pop("wall_s") > 0 and again.pop("wall_s") > 0
+    assert again == first
+
 
 def test_moe_mechanism_quick_measures_route_changes(tmp_path):
     import json

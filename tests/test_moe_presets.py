@@ -58,8 +58,11 @@ def test_trio_differs_only_in_loss_clip_range_and_replay():
 
 
 @pytest.mark.parametrize("name", TRIO)
-def test_trio_resolves_with_dry_run(name, capsys):
+def test_trio_resolves_with_dry_run(name, capsys, monkeypatch):
+    probed = []  # the hub dataset is not cached offline; the probe only records what it was asked (as test_cli)
+    monkeypatch.setattr("trl_gspo.recipe._probe_dataset", lambda key, path, config: probed.append((key, path)))
     assert main(["--config", str(FOLDER / f"{name}.yaml"), "--dry_run", "true"]) == 0
+    assert probed == [("dataset_name", "trl-lib/DeepMath-103K")]
     out = capsys.readouterr().out
     assert "recipe is valid" in out and "granite-3.0-3b-a800m" in out
 

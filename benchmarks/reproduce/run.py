@@ -228,6 +228,15 @@ def report(results: list[dict], out: Path) -> str:
             f"{_mean_sd(drift)} / {_mean_sd(peak_drift)} | "
             f"{sum(r['diverged'] for r in runs)} | {sum(r['collapsed'] for r in runs)} | "
             f"{_mean_sd([r['wall_s'] for r in runs])} |")
+    lines += ["", "Differences from gspo in the last-window reward, with the standard error over seeds "
+              "(a difference within 2 standard errors is not a result):", "",
+              "| arm | last-window reward minus gspo's | standard error | beyond 2 standard errors |", "|---|---|---|---|"]
+    base = [_rewards(r)[-1] for r in results if r["arm"] == "gspo"]
+    for arm in arms[1:] if base else []:
+        other = [_rewards(r)[-1] for r in results if r["arm"] == arm]
+        diff = statistics.mean(other) - statistics.mean(base)
+        se = math.sqrt(sum(statistics.variance(x) / len(x) for x in (base, other) if len(x) > 1))
+        lines.append(f"| {arm} | {diff:+.3g} | {se:.2g} | {'yes' if abs(diff) > 2 * se > 0 else 'no'} |")
     table = "\n".join(lines)
     (out / "results.md").write_text(table + "\n")
     return table
@@ -247,7 +256,13 @@ def main() -> None:
     if cli.worker:  # one SFT or RL run in its own process
         import torch
 
+        # Deterministic on one machine: one thread (no reduction-order races), deterministic kernels, and every
+        # random draw seeded (model init, SFT data, RL prompts, sampling: the Trainer seeds torch from `seed`).
+        # Not bit-identical across machines: CPU kernels (oneDNN/MKL) pick different code paths per instruction
+        # set, so float32 results differ in the last bits and sampled completions diverge from there.
         torch.set_num_threads(1)
+        torch.use_deterministic_algorithms(True)
+        torch.manual_seed(int(cli.worker[2]))
         phase, arm, seed = cli.worker
         if phase == "sft":
             sft(int(seed), cli.size, cli.out)
