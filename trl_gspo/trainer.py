@@ -415,8 +415,8 @@ class GSPOTrainer(GRPOTrainer):
             sums["delta_clipped"] = (out.delta_clipped.float() * mask).sum()
         if aux_loss is not None:
             sums["aux_loss"] = aux_loss.float()
-        totals = dict(zip(sums, acc.reduce(torch.stack(list(sums.values())), reduction="sum")))
-        nonfinite = acc.reduce(nonfinite.float(), reduction="sum")
+        reduced = acc.reduce(torch.cat([nonfinite.float(), torch.stack(list(sums.values()))]), reduction="sum")
+        nonfinite, totals = reduced[:3], dict(zip(sums, reduced[3:]))
         tokens = totals["tokens"].clamp(min=1.0)
 
         # Per-sequence values of every rank, in one gather. A sequence counts as clipped if its ratio was (for
