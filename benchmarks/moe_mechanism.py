@@ -105,6 +105,7 @@ def pretrain(overrides: dict, steps: int, cache: Path, log) -> torch.nn.Module:
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / 20))
     rng = random.Random(0)
     started = time.perf_counter()
+    loss = torch.tensor(float("nan"))  # steps=0: the untrained control
     for step in range(steps):
         texts = [p + a + EOS_TOKEN for p, a in (make_problem(rng) for _ in range(64))]
         batch = tokenizer(texts, return_tensors="pt", padding=True)
@@ -408,6 +409,8 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="a tiny model and one rollout: a smoke test")
     parser.add_argument("--pretrain-steps", type=int, default=300)
     parser.add_argument("--rollouts", type=int, default=4, help="rollout batches per setting")
+    parser.add_argument("--headline-only", action="store_true",
+                        help="only the headline setting (e.g. with --pretrain-steps 0: the untrained control)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", type=Path, default=Path("outputs/moe_mechanism"),
                         help="cache of pretrained weights, and summary.json")
@@ -423,6 +426,7 @@ def main() -> None:
         sweep, steps, rollouts, prompts, group = [Setting(8, 2, 1e-3)], 20, 1, 4, 4
     else:
         sweep, steps, rollouts, prompts, group = FULL_SWEEP, cli.pretrain_steps, cli.rollouts, 16, 8
+        sweep = sweep[:1] if cli.headline_only else sweep
     models: dict[tuple[int, int], torch.nn.Module] = {}
     results = []
     for setting in sweep:

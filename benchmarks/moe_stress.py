@@ -17,7 +17,7 @@ passes that differ from the old policy's, measured by RoutingReplay in every arm
 (before clipping) and non-finite losses. A run *collapses* if its last-5-rollout mean reward is more than 0.1
 below its first rollout's (sampled before any update), or a loss or gradient is non-finite.
 
-    python benchmarks/moe_stress.py                  # the chosen configuration, 3 arms x 6 seeds (~15 min, 2 cores)
+    python benchmarks/moe_stress.py                  # the chosen configuration, 3 arms x 6 seeds (17 min, 2 shared cores)
     python benchmarks/moe_stress.py --search         # the search grid, 2 seeds per arm (appends to the search log)
     python benchmarks/moe_stress.py --quick --jobs 1 # a smoke run in well under 2 minutes
     python benchmarks/moe_stress.py --report benchmarks/moe_stress_results/search.jsonl   # the search log's table
