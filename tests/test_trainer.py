@@ -447,3 +447,17 @@ def test_setup_warnings_are_emitted_once(tmp_path, caplog):
         _warn_about_setup(cfg)
         _warn_about_setup(cfg)
     assert caplog.text.count("fully on-policy") == 1 and caplog.text.count("epsilon=0.2") == 1
+
+
+def test_adaptive_entropy_state_survives_a_resume(tmp_path, tokenizer):
+    """TRL saves the controller's state with each checkpoint and restores it on resume; gspo types use that state, so
+    a resumed run continues the coefficient where it stopped."""
+    cfg = dict(loss_type="gspo", use_adaptive_entropy=True, entropy_coef=0.01, entropy_target=1e3, max_steps=2,
+               per_device_train_batch_size=4, save_strategy="steps", save_steps=1)
+    first, _ = _train(GSPOTrainer, build_dense_model(tokenizer, seed=4), tiny_config(tmp_path / "a", **cfg), tokenizer)
+    assert [h["entropy_coef"] for h in first.state.log_history if "entropy_coef" in h] == pytest.approx([0.015, 0.02])
+    resumed = GSPOTrainer(build_dense_model(tokenizer, seed=4), digit_reward, args=tiny_config(tmp_path / "a", **cfg),
+                          train_dataset=toy_dataset(), processing_class=tokenizer)
+    resumed.train(resume_from_checkpoint=str(tmp_path / "a" / "checkpoint-1"))
+    assert [h["entropy_coef"] for h in resumed.state.log_history if "entropy_coef" in h][-1] == pytest.approx(0.02)
+    assert resumed.entropy_coef == pytest.approx(first.entropy_coef)
