@@ -223,6 +223,51 @@ def test_trl_entry_points_used_by_the_launcher():
     assert isinstance(trl.rewards.__all__, list | tuple) and trl.rewards.__all__
 
 
+def test_accelerate_launch_parser_actions_used_for_stray_arguments():
+    """recipe._stray_tokens reads `accelerate launch`'s argparse actions: `.nargs` 0 for flags, not 0 for options
+    that take a value."""
+    from accelerate.commands.launch import launch_command_parser
+
+    actions = dict(launch_command_parser()._option_string_actions)
+    assert actions["--multi_gpu"].nargs == 0 and actions["--use_deepspeed"].nargs == 0
+    assert actions["--num_processes"].nargs != 0 and actions["--config_file"].nargs != 0
+
+
+def test_accelerate_state_used_by_the_launched_process():
+    """train.py asks accelerate which distributed type it got (FSDP refused when absent) and how many processes."""
+    from accelerate import PartialState
+    from accelerate.utils import DistributedType, parse_flag_from_env
+
+    assert {"FSDP", "MULTI_CPU", "DEEPSPEED", "NO"} <= set(DistributedType.__members__)
+    assert "cpu" in inspect.signature(PartialState.__init__).parameters
+    assert parse_flag_from_env("TRL_GSPO_CONTRACT_UNSET_FLAG") is False
+    state = PartialState(cpu=True)
+    assert isinstance(state.num_processes, int) and isinstance(state.distributed_type, DistributedType)
+
+
+def test_datasets_and_torch_probes_used_by_dry_run():
+    """--dry_run probes hub datasets with `datasets.load_dataset_builder(path, name, ...).info.splits` and asks
+    `torch.accelerator` whether FSDP can run."""
+    import datasets
+
+    parameters = _parameters(datasets.load_dataset_builder)
+    assert parameters[:2] == ["path", "name"] and "data_files" in parameters
+    assert "splits" in {f.name for f in dataclasses.fields(datasets.DatasetInfo)}
+    assert isinstance(torch.accelerator.is_available(), bool)
+    assert callable(torch.accelerator.current_accelerator)
+
+
+def test_trl_reward_factories_we_build_exist_with_their_parameters():
+    """rewards.TRL_FACTORY_DEFAULTS builds TRL's reward factories with `trl grpo`'s values."""
+    import trl.rewards
+
+    from trl_gspo.rewards import TRL_FACTORY_DEFAULTS
+
+    for name, kwargs in TRL_FACTORY_DEFAULTS.items():
+        assert name in trl.rewards.__all__, name
+        assert set(kwargs) <= set(_parameters(getattr(trl.rewards, name))), name
+
+
 # --------------------------------------------------------------------------- configuration
 def test_trl_loss_types():
     """TRL's loss types, as its `loss_type` help lists them, are the ones GSPOTrainer hands to TRL."""
