@@ -33,7 +33,6 @@ import math
 import os
 import random
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -42,6 +41,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 import moe_mechanism as mm  # noqa: E402  (the task, the pretrained models and the scoring)
+from reproduce.run import _run_jobs  # noqa: E402  (one worker process per run, `--jobs` at a time)
 
 ARMS = ("gspo", "grpo", "grpo_rr")
 BASE = dict(experts=64, top_k=8, lr=3e-3, minibatches=4, iterations=1, rollouts=40, prompts=8, group=8,
@@ -139,20 +139,6 @@ def outcome(history: list[dict]) -> dict:
 
 
 # ---------------------------------------------------------------------------------------------------- driver
-def _run_jobs(commands: list[list[str]], jobs: int) -> None:
-    started: list[subprocess.Popen] = []
-    env = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
-    for command in commands:
-        while sum(p.poll() is None for p in started) >= jobs:
-            time.sleep(0.2)
-        started.append(subprocess.Popen(command, env=env))
-    for process in started:
-        process.wait()
-    failed = [p.args for p in started if p.returncode]
-    if failed:
-        raise SystemExit(f"worker failed: {failed}")
-
-
 def _mean_sd(values) -> str:
     values = [v for v in values if v is not None]
     if not values:

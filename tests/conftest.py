@@ -11,6 +11,18 @@ import torch
 torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
 
 
+# The smallest recipe that runs offline: CLI tests format it with `out=` and append or replace keys.
+BASE_RECIPE = """
+model_name_or_path: builtin:tiny-qwen3-moe
+dataset_name: builtin:addition
+reward_funcs: [digit_match_reward]
+output_dir: {out}
+use_cpu: true
+bf16: false
+report_to: none
+"""
+
+
 def pytest_configure(config):
     config.addinivalue_line("markers", "slow: end-to-end runs of several seconds or more (deselect with -m 'not slow')")
     config.addinivalue_line("markers", "multiprocess: launches several processes with accelerate")

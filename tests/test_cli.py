@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+from conftest import BASE_RECIPE as BASE
 
 from trl_gspo.cli import RecipeError, main, parse_recipe
 
@@ -19,15 +20,6 @@ def _recipe(tmp_path, body):
     return str(path)
 
 
-BASE = """
-model_name_or_path: builtin:tiny-qwen3-moe
-dataset_name: builtin:addition
-reward_funcs: [digit_match_reward]
-output_dir: {out}
-use_cpu: true
-bf16: false
-report_to: none
-"""
 
 
 def test_recipe_resolves_gspo_fields_and_overrides(tmp_path):

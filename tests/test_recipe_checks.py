@@ -6,21 +6,12 @@ import json
 import textwrap
 
 import pytest
+from conftest import BASE_RECIPE as BASE
 
 import trl_gspo.launching
 import trl_gspo.quickstart.model
 from trl_gspo import GSPOConfig
 from trl_gspo.cli import main
-
-BASE = """
-model_name_or_path: builtin:tiny-qwen3-moe
-dataset_name: builtin:addition
-reward_funcs: [digit_match_reward]
-output_dir: {out}
-use_cpu: true
-bf16: false
-report_to: none
-"""
 
 
 @pytest.fixture
