@@ -220,6 +220,12 @@ def describe(script_args, training_args, model_args, dataset_args, launch_args) 
     return "\n".join(lines)
 
 
+def _check_builtin_dataset(name: str) -> None:
+    if name[len(BUILTIN_PREFIX):] not in BUILTIN_DATASETS:
+        raise RecipeError(f"`dataset_name`: unknown built-in {name!r}. Fix: use one of "
+                          f"{[BUILTIN_PREFIX + d for d in BUILTIN_DATASETS]}.")
+
+
 def load_dataset(script_args, dataset_args):
     """The dataset as `trl grpo` loads it (a `DatasetMixtureConfig` through TRL's `get_dataset`, else
     `datasets.load_dataset(dataset_name)`), plus the built-in `builtin:addition`."""
@@ -229,9 +235,7 @@ def load_dataset(script_args, dataset_args):
 
         from .quickstart import addition
 
-        if name[len(BUILTIN_PREFIX):] not in BUILTIN_DATASETS:
-            raise RecipeError(f"`dataset_name`: unknown built-in {name!r}. Fix: use one of "
-                              f"{[BUILTIN_PREFIX + d for d in BUILTIN_DATASETS]}.")
+        _check_builtin_dataset(name)
         return DatasetDict({
             script_args.dataset_train_split: addition.make_rl_dataset(script_args.builtin_num_examples, seed=0),
             script_args.dataset_test_split: addition.make_rl_dataset(256, seed=1),
@@ -395,9 +399,7 @@ def _dataset_size(script_args, dataset_args, probe: bool) -> int | None:
         raise RecipeError(f"both `dataset_name` ({name!r}) and `datasets` are set; one of them would be ignored. "
                           "Fix: keep one (list several datasets under `datasets`).")
     if name and name.startswith(BUILTIN_PREFIX):
-        if name[len(BUILTIN_PREFIX):] not in BUILTIN_DATASETS:
-            raise RecipeError(f"`dataset_name`: unknown built-in {name!r}. Fix: use one of "
-                              f"{[BUILTIN_PREFIX + d for d in BUILTIN_DATASETS]}.")
+        _check_builtin_dataset(name)
         return script_args.builtin_num_examples
     if dataset_args.datasets:
         for entry in dataset_args.datasets:
