@@ -58,7 +58,8 @@ def _prepare_builtin_model(script_args, training_args, model_args):
         model = sft_cold_start(model, tokenizer, os.path.join(training_args.output_dir, "sft"),
                                max_steps=script_args.sft_steps, seed=training_args.seed,
                                dataset=sft_data, per_device_train_batch_size=max(64 // state.num_processes, 1),
-                               learning_rate=script_args.sft_learning_rate)
+                               learning_rate=script_args.sft_learning_rate,
+                               use_cpu=training_args.use_cpu)  # where the run that follows runs
         if state.is_main_process:
             print(f"[trl-gspo] cold start done in {time.perf_counter() - started:.0f}s", flush=True)
     if state.is_main_process:

@@ -35,12 +35,15 @@ def sft_cold_start(
 ) -> PreTrainedModel:
     """Train ``model`` for ``max_steps`` supervised steps on prompt-completion pairs and return it.
 
-    Runs on CPU in float32, logs nowhere (``report_to="none"``) and saves no checkpoint (the
+    Runs in float32 on CPU unless ``use_cpu=False`` is passed (then where accelerate puts it), logs nowhere (``report_to="none"``) and saves no checkpoint (the
     caller decides what to save). ``dataset`` defaults to ``make_sft_dataset`` with enough
     examples for one pass (``max_steps * per_device_train_batch_size``). Extra keyword arguments
     override fields of the ``SFTConfig``. The training log stays available on
     ``model._sft_log_history`` (list of dicts, as ``trainer.state.log_history``).
     """
+    # The SFT arguments reset and rebuild accelerate's process-wide state (a singleton) for their own device; a
+    # trainer built afterwards would inherit it (a GPU run after a CPU cold start stayed on CPU). Put it back after.
+    saved_process_state = _snapshot_accelerate_state()
     if dataset is None:
         dataset = make_sft_dataset(max(max_steps * per_device_train_batch_size, 1), seed=seed + 10_000)
     args = SFTConfig(
@@ -85,7 +88,22 @@ def sft_cold_start(
             datasets_logging.enable_progress_bar()
         for k, v in saved_router_flags.items():
             setattr(text_config, k, v)
+        _restore_accelerate_state(saved_process_state)
     model = trainer.model
     model._sft_log_history = list(trainer.state.log_history)
     return model
 
+
+
+def _snapshot_accelerate_state() -> tuple[dict, dict]:
+    from accelerate.state import AcceleratorState, PartialState
+
+    return dict(PartialState._shared_state), dict(AcceleratorState._shared_state)
+
+
+def _restore_accelerate_state(saved: tuple[dict, dict]) -> None:
+    from accelerate.state import AcceleratorState, PartialState
+
+    for shared, values in zip((PartialState._shared_state, AcceleratorState._shared_state), saved):
+        shared.clear()
+        shared.update(values)

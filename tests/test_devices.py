@@ -1,0 +1,60 @@
+"""Device decisions, tested on CPU: the cold start leaves the run's device alone (a GPU quickstart once stayed on
+CPU), and both branches of every "is there an accelerator?" decision run here with the probe faked."""
+
+import pytest
+from accelerate.state import PartialState
+from trl import ModelConfig
+
+import trl_gspo.quickstart.cold_start as cold_start_module
+from trl_gspo import GSPOConfig
+from trl_gspo.recipe import GSPOScriptArguments
+from trl_gspo.train import _prepare_builtin_model
+
+
+def _accelerate_cpu_flag():
+    return PartialState._shared_state.get("_cpu")
+
+
+def test_cold_start_runs_where_the_run_runs_and_leaves_its_device(tmp_path, monkeypatch):
+    """The H100 defect: the cold start's SFT arguments (use_cpu=True) rebuilt accelerate's process-wide state for
+    CPU, and the GSPO trainer built next inherited it, so generation ran with the model on CPU and inputs on CUDA.
+    Here the run asks for the accelerator (use_cpu=False; on this CPU machine accelerate then picks the CPU, but
+    the flag it keeps is what a GPU machine would act on)."""
+    seen = {}
+    real = cold_start_module.sft_cold_start
+
+    def spy(*args, **kwargs):
+        seen.update(kwargs)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(cold_start_module, "sft_cold_start", spy)
+    training_args = GSPOConfig(output_dir=str(tmp_path), use_cpu=False, bf16=False, report_to="none", seed=0)
+    training_args.device  # builds accelerate's state for this run, as TRL's parser does
+    assert _accelerate_cpu_flag() is False
+    script_args = GSPOScriptArguments(dataset_name="builtin:addition", reward_funcs=["digit_match_reward"],
+                                      sft_steps=1)
+    _prepare_builtin_model(script_args, training_args, ModelConfig(model_name_or_path="builtin:tiny-qwen3"))
+    assert seen["use_cpu"] is False  # the cold start trains where the run trains
+    assert _accelerate_cpu_flag() is False  # and leaves the run's process state as it found it
+
+
+def test_cold_start_restores_accelerate_state_it_found(tokenizer, tmp_path):
+    """Called directly (its default is CPU), the cold start still leaves no device state behind."""
+    from trl_gspo.quickstart.model import build_dense_model
+
+    GSPOConfig(output_dir=str(tmp_path), use_cpu=False, bf16=False, report_to="none").device
+    before = dict(PartialState._shared_state)
+    cold_start_module.sft_cold_start(build_dense_model(tokenizer, seed=0), tokenizer, str(tmp_path / "sft"),
+                                     max_steps=1, per_device_train_batch_size=4)
+    assert dict(PartialState._shared_state) == before
+    assert _accelerate_cpu_flag() is False
+
+
+@pytest.fixture(autouse=True)
+def _fresh_accelerate_state():
+    """Each test starts and ends without accelerate process state, so no other test inherits a device choice."""
+    from accelerate.state import AcceleratorState
+
+    AcceleratorState._reset_state(reset_partial_state=True)
+    yield
+    AcceleratorState._reset_state(reset_partial_state=True)
