@@ -23,6 +23,34 @@ report_to: none
 """
 
 
+def cpu_env(**extra) -> dict:
+    """The environment for a subprocess of a CPU test: the parent's, with every accelerator hidden (CUDA devices,
+    DeepSpeed's accelerator choice) and the hub offline, so the child runs as on a machine without a GPU, whatever
+    this machine has. Extra variables (OMP_NUM_THREADS, PYTHONPATH, ...) are added last."""
+    return dict(os.environ, CUDA_VISIBLE_DEVICES="", DS_ACCELERATOR="cpu", HF_HUB_OFFLINE="1", **extra)
+
+
+@pytest.fixture
+def fake_accelerator(monkeypatch):
+    """`fake_accelerator(present)` makes every "is there an accelerator?" probe of the project, and transformers'
+    bf16-GPU check behind TrainingArguments, answer `present`, so both branches run on any machine."""
+
+    def fake(present: bool) -> None:
+        monkeypatch.setattr("trl_gspo.recipe.has_accelerator", lambda: present)
+        monkeypatch.setattr("transformers.training_args.is_torch_bf16_gpu_available", lambda *a, **k: present)
+
+    return fake
+
+
+def skip_without_math_verify(reward_funcs) -> None:
+    """TRL's `accuracy_reward` needs math-verify (the `math` extra, in the `test` extra too); a hand-made
+    environment without it skips the tests that resolve it, saying so."""
+    import importlib.util
+
+    if "accuracy_reward" in reward_funcs and importlib.util.find_spec("math_verify") is None:
+        pytest.skip('accuracy_reward needs math-verify: pip install "trl-gspo[math]"')
+
+
 def pytest_configure(config):
     config.addinivalue_line("markers", "slow: end-to-end runs of several seconds or more (deselect with -m 'not slow')")
     config.addinivalue_line("markers", "multiprocess: launches several processes with accelerate")

@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from conftest import cpu_env
 
 pytestmark = pytest.mark.slow
 BENCHMARKS = Path(__file__).parents[1] / "benchmarks"
@@ -14,7 +15,7 @@ BENCHMARKS = Path(__file__).parents[1] / "benchmarks"
 
 def _run(*args, timeout=600):
     result = subprocess.run([sys.executable, *map(str, args)], capture_output=True, text=True, timeout=timeout,
-                            env=dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1"))
+                            env=cpu_env(OMP_NUM_THREADS="1"))
     assert result.returncode == 0, result.stderr[-3000:]
     return result.stdout.strip().splitlines()
 

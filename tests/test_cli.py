@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 import yaml
 from conftest import BASE_RECIPE as BASE
+from conftest import cpu_env, skip_without_math_verify
 
 from trl_gspo.cli import RecipeError, main, parse_recipe
 
@@ -62,7 +63,8 @@ def test_missing_recipe_file(capsys):
 
 def test_wrong_type_is_reported_by_name(tmp_path):
     path = _recipe(tmp_path, BASE.format(out=tmp_path / "o") + "max_steps: many\n")
-    result = subprocess.run([sys.executable, "-m", "trl_gspo.cli", "--config", path], capture_output=True, text=True)
+    result = subprocess.run([sys.executable, "-m", "trl_gspo.cli", "--config", path], capture_output=True, text=True,
+                            env=cpu_env())
     assert result.returncode == 2
     assert "max_steps" in result.stderr and "many" in result.stderr
 
@@ -83,11 +85,16 @@ def test_dry_run_prints_resolved_config(tmp_path, capsys):
 RECIPES = sorted(p for p in (ROOT / "recipes").rglob("*.yaml") if p.parent.name != "accelerate")
 
 
+@pytest.mark.parametrize("gpu", [False, True], ids=["no-gpu", "gpu"])
 @pytest.mark.parametrize("recipe", RECIPES, ids=[str(p.relative_to(ROOT / "recipes")) for p in RECIPES])
-def test_shipped_recipes_resolve(recipe, capsys, monkeypatch):
-    """Every recipe resolves into a valid GSPOConfig / ModelConfig and launch options without downloading anything.
-    The hub dataset is not cached on the (offline) test machine, where a dry run rightly refuses it
-    (tests/test_recipe_checks.py); here the dataset probe only records what it was asked."""
+def test_shipped_recipes_resolve(recipe, gpu, capsys, monkeypatch, fake_accelerator):
+    """Every recipe resolves into a valid GSPOConfig / ModelConfig and launch options without downloading anything,
+    on a machine with a GPU and on one without (the probe is faked: both branches run anywhere). The hub dataset is
+    not cached on the (offline) test machine, where a dry run rightly refuses it (tests/test_recipe_checks.py);
+    here the dataset probe only records what it was asked."""
+    settings = yaml.safe_load(recipe.read_text())
+    skip_without_math_verify(settings["reward_funcs"])
+    fake_accelerator(gpu)
     probed = []
     monkeypatch.setattr("trl_gspo.recipe._probe_dataset", lambda key, path, config: probed.append((key, path)))
     assert main(["--config", str(recipe), "--dry_run", "true"]) == 0
@@ -95,7 +102,10 @@ def test_shipped_recipes_resolve(recipe, capsys, monkeypatch):
     assert probed == ([] if dataset.startswith("builtin:") else [("dataset_name", dataset)])
     out = capsys.readouterr().out
     assert "recipe is valid" in out
-    name = yaml.safe_load(recipe.read_text()).get("accelerate_config")
+    # Without a GPU a bf16 recipe is validated as CPU/fp32 and says so; with one it is validated as written.
+    asks_for_gpu = settings.get("bf16", True) and not settings.get("use_cpu", False)
+    assert ("no GPU here" in out) == (asks_for_gpu and not gpu)
+    name = settings.get("accelerate_config")
     if name:  # the recipe's own accelerate config file, found relative to the recipe
         assert Path(out.split("--config_file")[1].split()[0]).resolve() == (recipe.parent / name).resolve()
 

@@ -58,3 +58,26 @@ def _fresh_accelerate_state():
     AcceleratorState._reset_state(reset_partial_state=True)
     yield
     AcceleratorState._reset_state(reset_partial_state=True)
+
+
+@pytest.mark.parametrize("cuda_visible", [False, True])
+def test_offloaded_recording_of_a_cpu_run_is_not_copied_or_pinned(tokenizer, monkeypatch, cuda_visible):
+    """`routing_replay_offload` moves recordings of accelerator tensors to pinned host memory; a CPU run's
+    recordings are already there, whether or not the machine has a GPU (faked here: pinning needs CUDA)."""
+    import torch
+
+    from trl_gspo.quickstart.model import build_model
+    from trl_gspo.routing import RoutingReplay
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: cuda_visible)
+
+    def no_pinning(self, *args, **kwargs):
+        raise AssertionError("a CPU tensor was pinned")
+
+    monkeypatch.setattr(torch.Tensor, "pin_memory", no_pinning)
+    model = build_model(tokenizer, seed=0)
+    replay = RoutingReplay(model, offload_to_cpu=True)
+    ids = torch.randint(3, 20, (2, 5))
+    with replay.record() as recording:
+        model(input_ids=ids)
+    assert recording.indices.device.type == "cpu" and recording.indices.shape[:2] == (2, 5)

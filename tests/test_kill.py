@@ -10,6 +10,7 @@ from pathlib import Path
 
 import psutil
 import pytest
+from conftest import cpu_env
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -95,7 +96,7 @@ def test_sigterm_during_training_leaves_no_process_and_no_writes(tmp_path):
         gradient_checkpointing: false
         plot: false
     """))
-    env = dict(os.environ, HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false", PYTHONPATH=str(ROOT))
+    env = cpu_env(TOKENIZERS_PARALLELISM="false", PYTHONPATH=str(ROOT))
     command = subprocess.Popen([sys.executable, "-m", "trl_gspo.cli", "--config", str(recipe)], cwd=ROOT, env=env,
                                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     deadline = time.monotonic() + 240

@@ -12,6 +12,7 @@ import textwrap
 from pathlib import Path
 
 import pytest
+from conftest import cpu_env
 
 import trl_gspo.launching
 import trl_gspo.recipe
@@ -112,7 +113,7 @@ def test_fsdp2_on_two_cpu_processes_is_refused_by_each(tmp_path):
     result = subprocess.run(
         [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(config), "--main_process_port",
          str(port), "-m", "trl_gspo.train", "--config", _recipe(tmp_path), "--max_steps", "1"],
-        capture_output=True, text=True, timeout=300, env=dict(os.environ, OMP_NUM_THREADS="1"))
+        capture_output=True, text=True, timeout=300, env=cpu_env(OMP_NUM_THREADS="1"))
     assert result.returncode != 0
     assert result.stderr.count("trl-gspo: error: `accelerate_config`: FSDP needs a GPU") == 2
     assert "accelerate chose MULTI_CPU" in result.stderr

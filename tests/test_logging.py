@@ -1,6 +1,7 @@
 """Logging and rewards: `report_to: tensorboard` works offline; the recipes' math rewards resolve and score."""
 
 import pytest
+from conftest import skip_without_math_verify
 from conftest import digit_reward, tiny_config, toy_dataset
 
 from trl_gspo import GSPOTrainer
@@ -39,6 +40,8 @@ def test_math_recipe_rewards_resolve_and_score():
     from types import SimpleNamespace
 
     from trl_gspo.rewards import resolve_rewards
+
+    skip_without_math_verify(["accuracy_reward"])
 
     accuracy, think_format = resolve_rewards(SimpleNamespace(
         reward_model_name_or_path=None, reward_funcs=["accuracy_reward", "think_format_reward"]))

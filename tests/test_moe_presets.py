@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from conftest import cpu_env, skip_without_math_verify
 import yaml
 
 from trl_gspo.cli import main
@@ -57,14 +58,18 @@ def test_trio_differs_only_in_loss_clip_range_and_replay():
     assert gspo["router_aux_loss_coef"] == 0.0  # TRL 1.16's aux loss needs config.num_experts; Granite has none
 
 
+@pytest.mark.parametrize("gpu", [False, True], ids=["no-gpu", "gpu"])
 @pytest.mark.parametrize("name", TRIO)
-def test_trio_resolves_with_dry_run(name, capsys, monkeypatch):
+def test_trio_resolves_with_dry_run(name, gpu, capsys, monkeypatch, fake_accelerator):
+    skip_without_math_verify(_load(name)["reward_funcs"])
+    fake_accelerator(gpu)  # both branches of the dry run's "is there a GPU?" decision, on any machine
     probed = []  # the hub dataset is not cached offline; the probe only records what it was asked (as test_cli)
     monkeypatch.setattr("trl_gspo.recipe._probe_dataset", lambda key, path, config: probed.append((key, path)))
     assert main(["--config", str(FOLDER / f"{name}.yaml"), "--dry_run", "true"]) == 0
     assert probed == [("dataset_name", "trl-lib/DeepMath-103K")]
     out = capsys.readouterr().out
     assert "recipe is valid" in out and "granite-3.0-3b-a800m" in out
+    assert ("no GPU here" in out) == (not gpu)
 
 
 def test_preset_model_settings_train_a_tiny_granite_moe_with_replay(tmp_path):
@@ -79,7 +84,7 @@ def test_preset_model_settings_train_a_tiny_granite_moe_with_replay(tmp_path):
     path = tmp_path / "recipe.yaml"
     path.write_text(yaml.safe_dump(recipe))
     result = subprocess.run([sys.executable, "-m", "trl_gspo.train", "--config", str(path)], capture_output=True,
-                            text=True, timeout=600, env=dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1"))
+                            text=True, timeout=600, env=cpu_env(OMP_NUM_THREADS="1"))
     assert result.returncode == 0, result.stderr[-3000:]
     state = yaml.safe_load((tmp_path / "out" / "trainer_state.json").read_text())  # JSON is YAML
     logged = [h for h in state["log_history"] if "loss" in h]

@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from conftest import cpu_env
 
 pytestmark = [pytest.mark.slow, pytest.mark.multiprocess]
 SCRIPT = Path(__file__).parent / "scripts" / "ddp_parity.py"
@@ -28,7 +29,7 @@ def test_two_process_ddp_matches_trl(tmp_path):
                "--main_process_port", str(_free_port()),
                "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no", str(SCRIPT), str(tmp_path)]
     result = subprocess.run(command, capture_output=True, text=True, timeout=600,
-                            env=dict(os.environ, HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1"))
+                            env=cpu_env(OMP_NUM_THREADS="1"))
     assert result.returncode == 0, result.stderr[-3000:]
     line = next(line for line in result.stdout.splitlines() if line.startswith("RESULT "))
     runs = json.loads(line[len("RESULT "):])
@@ -46,7 +47,7 @@ def _launch(out_dir, launch_args, *script_args):
     command = [sys.executable, "-m", "accelerate.commands.launch", *launch_args,
                "--main_process_port", str(_free_port()), str(RUN_SCRIPT), str(out_dir), *script_args]
     result = subprocess.run(command, capture_output=True, text=True, timeout=600,
-                            env=dict(os.environ, HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1"))
+                            env=cpu_env(OMP_NUM_THREADS="1"))
     assert result.returncode == 0, result.stderr[-3000:]
     line = next(line for line in result.stdout.splitlines() if line.startswith("RESULT "))
     return json.loads(line[len("RESULT "):])
@@ -146,7 +147,7 @@ def test_cli_quickstart_with_cold_start_on_two_ddp_processes(tmp_path):
                str(_free_port()), "--output_dir", str(tmp_path / "out"), "--sft_steps", "20", "--max_steps", "4",
                "--per_device_train_batch_size", "16", "--logging_steps", "2"]
     result = subprocess.run(command, capture_output=True, text=True, timeout=600,
-                            env=dict(os.environ, HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1"))
+                            env=cpu_env(OMP_NUM_THREADS="1"))
     assert result.returncode == 0, result.stderr[-3000:]
     assert result.stdout.count("trl-gspo run summary") == 1
     assert "optimizer steps:       4" in result.stdout

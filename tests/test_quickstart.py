@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from conftest import cpu_env
 
 from trl_gspo.quickstart.addition import digit_match_reward, exact_match_reward, make_rl_dataset, make_sft_dataset
 
@@ -45,7 +46,7 @@ def test_datasets():
 def test_quickstart_recipe_learns(tmp_path):
     """The README's first command, end to end through `trl-gspo` and `accelerate launch`."""
     out = tmp_path / "quickstart"
-    env = dict(os.environ, HF_HUB_OFFLINE="1")
+    env = cpu_env()
     result = subprocess.run(
         [sys.executable, "-m", "trl_gspo.cli", "--config", str(ROOT / "recipes" / "quickstart.yaml"),
          "--output_dir", str(out)],

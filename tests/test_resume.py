@@ -8,7 +8,7 @@ import shutil
 
 import pytest
 import torch
-from conftest import digit_reward, tiny_config, toy_dataset
+from conftest import cpu_env, digit_reward, tiny_config, toy_dataset
 
 from trl_gspo import GSPOTrainer
 from trl_gspo.checkpoints import (
@@ -239,7 +239,7 @@ def test_sigkill_during_a_checkpoint_write_then_resume_latest(tmp_path, tokenize
     out = tmp_path / "run"
     tests = os.path.dirname(os.path.abspath(__file__))
     script = KILLED_DURING_SAVE.format(tests=tests, kill_at=MAX_STEPS - 1, out=str(out))
-    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300, env=cpu_env())
     assert result.returncode == -9, result.stderr[-3000:]
     partial = out / f"checkpoint-{MAX_STEPS - 1}"
     assert (partial / "model.safetensors").is_file() and (partial / "optimizer.pt").stat().st_size == 0

@@ -276,10 +276,10 @@ class RoutingReplay:
         recording.indices = self._assemble(calls)
 
     def _offload(self, tensor):
-        if not self.offload_to_cpu:
-            return tensor
-        pinned = torch.cuda.is_available()
-        return tensor.to("cpu", non_blocking=pinned).pin_memory() if pinned else tensor.cpu()
+        if not self.offload_to_cpu or tensor.device.type == "cpu":
+            return tensor  # already in host memory: a CPU run, on any machine
+        # Pinned host memory, so that copying it back to the device for replay does not block.
+        return tensor.to("cpu", non_blocking=True).pin_memory()
 
     def _assemble(self, calls) -> torch.Tensor:
         if not calls:
