@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import os
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -24,10 +25,56 @@ SIZES = {  # overrides of trl_gspo/quickstart/tiny_qwen3_moe.json
     "cpu": dict(hidden_size=256, intermediate_size=512, moe_intermediate_size=128, num_hidden_layers=4,
                 num_experts=16, num_experts_per_tok=4, num_attention_heads=8, num_key_value_heads=4, head_dim=32,
                 max_position_embeddings=512),
+    # Qwen3-30B-A3B layer shapes, 4 layers, with the experts kernel a real checkpoint gets from `from_pretrained`
+    # (transformers' default, grouped_mm), not the tiny model's eager loop (21x slower per step on an H100).
     "gpu": dict(hidden_size=2048, intermediate_size=6144, moe_intermediate_size=768, num_hidden_layers=4,
                 num_experts=128, num_experts_per_tok=8, num_attention_heads=32, num_key_value_heads=4, head_dim=128,
-                max_position_embeddings=4096),  # Qwen3-30B-A3B layer shapes, 4 layers
+                max_position_embeddings=4096, experts_implementation=None),
 }
+
+
+def experts_kernel(model) -> str:
+    """The MoE experts implementation a model runs (eager, batched_mm, grouped_mm, ...), or "dense"."""
+    config = model.config.get_text_config()
+    if not any(hasattr(config, k) for k in ("num_experts", "num_local_experts")):
+        return "dense"
+    return str(getattr(config, "_experts_implementation", None) or "transformers default")
+
+
+def size_kernel(size: str) -> str:
+    """The experts kernel of `build(size, ...)`, without building the model."""
+    from trl_gspo.quickstart.model import load_tiny_moe_config
+
+    return str(load_tiny_moe_config(config_overrides=SIZES[size])._experts_implementation or "transformers default")
+
+
+def header(name: str, device, dtype, kernel: str) -> str:
+    """One line naming what a benchmark measured on: device, dtype, experts kernel, versions and commit. Printed
+    first by every benchmark, so a figure copied from its output carries its conditions."""
+    import importlib.metadata
+    import platform
+    import subprocess
+
+    device = torch.device(device)
+    if device.type == "cuda":
+        where = torch.cuda.get_device_name(device)
+    else:
+        where = f"{platform.machine()}, {torch.get_num_threads()} threads"
+    versions = []
+    for package in ("torch", "transformers", "trl", "trl-gspo"):
+        try:
+            versions.append(f"{package} {importlib.metadata.version(package)}")
+        except importlib.metadata.PackageNotFoundError:
+            versions.append(f"{package} -")
+    try:
+        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, timeout=10,
+                                cwd=os.path.dirname(os.path.abspath(__file__))).stdout.strip() or "-"
+    except (OSError, subprocess.SubprocessError):
+        commit = "-"
+    line = (f"# {name}: device {device.type} = {where} | dtype {str(dtype).replace('torch.', '')} | experts kernel "
+            f"{kernel} | {', '.join(versions)} | commit {commit}")
+    print(line, flush=True)
+    return line
 
 
 def build(size: str, device: str, dtype: torch.dtype, seed: int = 0):

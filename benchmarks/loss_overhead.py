@@ -82,6 +82,7 @@ def main():
     arms = ["gspo", "gspo_eager_checks", "trl_sequence_grpo", "trl_token_grpo"]
 
     model, tokenizer = _setup.build(args.size, args.device, dtype)
+    _setup.header("loss_overhead", args.device, dtype, _setup.experts_kernel(model))
     with tempfile.TemporaryDirectory() as tmp:
         trainers = {arm: _setup.trainer(arm.replace("_eager_checks", ""), model, tokenizer, f"{tmp}/{arm}",
                                         args.device, dtype, args.completion_length, args.batch,

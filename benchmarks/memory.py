@@ -90,6 +90,7 @@ def main():
         print("PEAK " + json.dumps(_measure(cli, *cli.worker)))
         return
 
+    _setup.header("memory", cli.device, cli.dtype, _setup.size_kernel(cli.size))
     with tempfile.TemporaryDirectory() as tmp:
         inputs_path = f"{tmp}/inputs.pt"
         _make_inputs(cli, inputs_path)

@@ -34,11 +34,16 @@ import hashlib
 import json
 import math
 import random
+import statistics
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+import _setup  # noqa: E402  (the header line)
 
 GRPO_LOW, GRPO_HIGH = 0.2, 0.27  # the paper's tuned GRPO clip range: r_t in [0.8, 1.27]
 GSPO_LOW, GSPO_HIGH = 3e-4, 4e-4  # GSPO's clip range on s_i
@@ -404,6 +409,25 @@ def tables(results: list[tuple[Setting, dict]], paths: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def headline_over_seeds(cli, tokenizer, log) -> None:
+    """The headline ratio once per RL seed; last line `moe_mechanism: <median> (...)` with the seeds' spread."""
+    setting = Setting(8, 2, 1e-3) if cli.quick else FULL_SWEEP[0]
+    overrides = QUICK_MODEL if cli.quick else MODELS[(setting.experts, setting.top_k)]
+    model = pretrain(overrides, 20 if cli.quick else cli.pretrain_steps, cli.out / "cache", log)
+    prompts, group, rollouts = (4, 4, 1) if cli.quick else (16, 8, cli.rollouts)
+    ratios = []
+    for seed in cli.seeds:
+        torch.manual_seed(seed)
+        summary = summarize(measure_updates(model, tokenizer, setting.lr, rollouts, prompts, group, 4, seed))
+        ratios.append(summary["natural"]["ratio"])
+        log(f"seed {seed}: {setting.name}: routes changed {summary['changed_token_share']:.3f} of tokens, mean "
+            f"|log r_t| route-changed / unchanged {ratios[-1]:.2f}x ({summary['replay']['ratio']:.2f}x under replay)")
+    finite = sorted(r for r in ratios if math.isfinite(r))
+    median = statistics.median(finite) if finite else math.nan
+    spread = f"{finite[0]:.2f}-{finite[-1]:.2f}" if finite else "nan"
+    print(f"moe_mechanism: {median:.2f} (median of {len(ratios)} seeds {cli.seeds}, range {spread})")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="a tiny model and one rollout: a smoke test")
@@ -412,6 +436,9 @@ def main() -> None:
     parser.add_argument("--headline-only", action="store_true",
                         help="only the headline setting (e.g. with --pretrain-steps 0: the untrained control)")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seeds", type=int, nargs="+",
+                        help="only the headline setting, once per RL seed (rollout sampling and updates; the "
+                             "pretrained model is the same): prints each, and last the median and the spread")
     parser.add_argument("--out", type=Path, default=Path("outputs/moe_mechanism"),
                         help="cache of pretrained weights, and summary.json")
     cli = parser.parse_args()
@@ -422,6 +449,10 @@ def main() -> None:
     tokenizer = build_tokenizer()
     log = lambda msg: print(msg, flush=True)  # noqa: E731
     started = time.perf_counter()
+    _setup.header("moe_mechanism", "cpu", torch.float32, "grouped_mm")
+    if cli.seeds:
+        headline_over_seeds(cli, tokenizer, log)
+        return
     if cli.quick:
         sweep, steps, rollouts, prompts, group = [Setting(8, 2, 1e-3)], 20, 1, 4, 4
     else:

@@ -230,6 +230,7 @@ def main() -> None:
         return
 
     started = time.perf_counter()
+    mm._setup.header("moe_stress", "cpu", torch.float32, "grouped_mm")
     cli.out.mkdir(parents=True, exist_ok=True)
     for config in configs.values():  # pretrain (or load) once, before the workers start
         overrides = mm.QUICK_MODEL if config.get("quick") else mm.MODELS[(config["experts"], config["top_k"])]

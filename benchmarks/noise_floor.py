@@ -51,6 +51,7 @@ def main() -> None:
     parser.add_argument("--learning-rate", type=float, default=1e-5)
     cli = parser.parse_args()
 
+    _setup.header("noise_floor", cli.device, "/".join(cli.dtypes), _setup.size_kernel(cli.size))
     print(f"size={cli.size} device={cli.device} rollouts={cli.rollouts} batch={cli.batch} "
           f"completion_length={cli.completion_length}; clip band {BAND:g}")
     print(f"{'dtype':>9} | {'on-policy max |log s|':>22} {'median':>9} | {'off-policy max |log s|':>23} {'median':>9}")

@@ -8,7 +8,9 @@ Prints the median times, the recording's bytes per token, and last `routing_repl
 """
 
 import argparse
+import os
 import statistics
+import sys
 import time
 
 import torch
@@ -38,7 +40,11 @@ def main():
         moe_intermediate_size=args.expert_width, norm_topk_prob=True, max_position_embeddings=args.seq_len,
     )
     torch.manual_seed(0)
-    model = Qwen3MoeForCausalLM(config).to(args.device, dtype).train()
+    model = Qwen3MoeForCausalLM(config).to(args.device, dtype).train()  # transformers' default experts kernel
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    import _setup
+
+    _setup.header("routing_replay_overhead", args.device, dtype, _setup.experts_kernel(model))
     batch = args.tokens // args.seq_len
     ids = torch.randint(0, config.vocab_size, (batch, args.seq_len), device=args.device)
     replay = RoutingReplay(model)

@@ -208,9 +208,10 @@ def main() -> None:
     started = time.perf_counter()
     tokenizer = build_tokenizer()
     model = mm.pretrain(overrides, pretrain_steps, args.cache, print)
-    print(f"# sampler_mismatch: {overrides['num_experts']} experts top-{overrides['num_experts_per_tok']}, "
-          f"{overrides['num_hidden_layers']} layers; sampler HF generate bf16, trainer fp32; torch {torch.__version__}"
-          f", experts kernel {overrides.get('experts_implementation')}, CPU, {seeds} seed(s)")
+    mm._setup.header("sampler_mismatch", "cpu", "bfloat16 sampler / float32 trainer",
+                     mm._setup.experts_kernel(model))
+    print(f"{overrides['num_experts']} experts top-{overrides['num_experts_per_tok']}, "
+          f"{overrides['num_hidden_layers']} layers; {seeds} seed(s), {prompts} prompts x {group} samples per rollout")
 
     per_seed = [routing_table(model, tokenizer, max(1, rollouts // 4), prompts, group, args.lr, seed)
                 for seed in range(seeds)]

@@ -110,6 +110,7 @@ def main():
     cli = parser.parse_args()
     dtype = getattr(torch, cli.dtype)
     model, tokenizer = _setup.build(cli.size, cli.device, dtype)
+    _setup.header("step_breakdown", cli.device, dtype, _setup.experts_kernel(model))
     arms = ["gspo", "grpo", "grpo_routing_replay"]
     runs = {arm: [] for arm in arms}
     with tempfile.TemporaryDirectory() as tmp:

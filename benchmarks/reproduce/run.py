@@ -272,6 +272,10 @@ def main() -> None:
         return
 
     started = time.perf_counter()
+    sys.path.insert(0, str(Path(__file__).parents[1]))
+    import _setup
+
+    _setup.header("reproduce", "cpu", "float32", "eager (the quickstart model's)")
     me = [sys.executable, __file__, "--size", cli.size, "--out", str(cli.out)]
     _run_jobs([me + ["--worker", "sft", "-", str(s)] for s in cli.seeds
                if not (cli.out / f"sft-{s}" / "config.json").exists()], cli.jobs)
