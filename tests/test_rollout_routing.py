@@ -17,9 +17,9 @@ MAX_NEW = 10
 EXTRA_LEFT, EXTRA_RIGHT = 2, 3  # TRL re-pads (pad_to_multiple_of): the layout differs from generate's
 
 
-def _model(tokenizer, dtype=torch.float32, **overrides):
+def _model(tokenizer, dtype=torch.float32, router_logit_std=1.0, **overrides):
     config = {"num_experts": 8, "num_experts_per_tok": 2, "num_hidden_layers": 3, **overrides}
-    return build_model(tokenizer, config).to(dtype).eval()
+    return build_model(tokenizer, config, router_logit_std=router_logit_std).to(dtype).eval()
 
 
 def _prompts(seed=0):
@@ -160,6 +160,7 @@ def test_last_completion_token_and_padding_have_no_route(tokenizer):
         assert (sampled.completion_routes[i][-1] == 255).all()
     assert torch.equal(has_route(routes), expected)
     assert (routes[~expected] == no_route(torch.uint8)).all()
+    assert routes.device.type == "cpu" and routes.element_size() == 1  # 1 byte per (token, layer, k), off device
     assert ((routes[expected] < 8).all(-1)).all()  # every real slot is a real expert of the 8
     # expert 0 is a real, used route (so 0 as a sentinel would have been ambiguous)
     assert (routes[expected] == 0).any()
@@ -178,11 +179,19 @@ def test_route_dtype_and_sentinel_rules(tokenizer):
     assert has_route(one_layer_missing).tolist() == [[False]]
 
     model = _model(tokenizer, num_experts=256, num_experts_per_tok=1, num_hidden_layers=2, moe_intermediate_size=4)
-    _, _, _, lengths, sampled = _generate(model, 1.0, max_new_tokens=4)
+    ids, _, sequences, lengths, sampled = _generate(model, 1.0, max_new_tokens=4)
     assert all(r.dtype == torch.int16 for r in sampled.prompt_routes + sampled.completion_routes)
     assert all((r.long() < 256).all() for r in sampled.prompt_routes)
     assert all((c[-1] == 32767).all() and has_route(c[None])[0].tolist() == [True] * (len(c) - 1) + [False]
                for c in sampled.completion_routes)
+    # the int16 sentinel passes through replay untouched when masked out, and the real routes are the forward's own
+    prompt_ids, prompt_mask, completion_ids, completion_mask = _trl_batch(sequences, ids.shape[1], lengths)
+    routes = pad_routes_like(sampled.prompt_routes, sampled.completion_routes, prompt_mask, completion_mask)
+    attention = torch.cat([prompt_mask, completion_mask], 1)
+    full_ids = torch.cat([prompt_ids, completion_ids], 1)
+    _, forced = _scored_logps(model, full_ids, attention, prompt_ids.shape[1], completion_ids, 1.0, routes)
+    real = has_route(routes) & attention.bool()
+    assert real.sum() > 0 and not route_changes(forced, routes)[real].any()
 
 
 def test_pad_routes_like_refuses_misaligned_lengths_and_padding():
@@ -201,6 +210,33 @@ def test_pad_routes_like_refuses_misaligned_lengths_and_padding():
         pad_routes_like(routes[:1], routes, prompt_mask, completion_mask)
 
 
+def _record(model, extra_forward=False, **generate_kwargs):
+    ids, mask = _prompts()
+    rr = RoutingReplay(model)
+    torch.manual_seed(1)
+    with torch.no_grad(), record_generation(rr, temperature=0.7) as rec:
+        out = model.generate(input_ids=ids, attention_mask=mask, do_sample=True, temperature=0.7, top_k=0, top_p=1.0,
+                             max_new_tokens=MAX_NEW, eos_token_id=EOS, pad_token_id=0, use_cache=True,
+                             return_dict_in_generate=True, **generate_kwargs)
+        if extra_forward:  # what transformers' DeferredStopCheck does (on mps): one more step, then undone
+            grown = torch.cat([mask, torch.ones(len(ids), out.sequences.shape[1] - ids.shape[1], dtype=mask.dtype)], 1)
+            model(input_ids=out.sequences[:, -1:], attention_mask=grown, past_key_values=out.past_key_values)
+    return rec, rec.per_sample(out.sequences, mask, _completion_lengths(out.sequences, ids.shape[1]))
+
+
+@pytest.mark.parametrize("variant", ["chunked_prefill", "extra_forward"])
+def test_chunked_prefill_and_an_extra_decode_forward_give_the_same_recording(tokenizer, variant):
+    model = _model(tokenizer)
+    plain_rec, plain = _record(model)
+    rec, other = _record(model, **({"prefill_chunk_size": 4} if variant == "chunked_prefill" else
+                                   {"extra_forward": True}))
+    assert len(rec.fed) == len(plain_rec.fed) + (2 if variant == "chunked_prefill" else 1)  # the variant happened
+    for a, b in zip(plain.prompt_routes + plain.completion_routes, other.prompt_routes + other.completion_routes):
+        assert torch.equal(a, b)
+    for a, b in zip(plain.sampler_logps, other.sampler_logps):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-5)
+
+
 def test_recording_refuses_generate_without_kv_cache(tokenizer):
     model = _model(tokenizer)
     ids, mask = _prompts()
@@ -215,9 +251,9 @@ def test_recording_refuses_generate_without_kv_cache(tokenizer):
 def test_bf16_sampler_routes_are_forced_in_an_fp32_forward(tokenizer):
     """The mixed-precision gap of a bf16 sampler and an fp32 trainer: without replay some (token, layer) route sets
     differ; replaying the sampler's routes makes the fp32 forward use exactly the sampler's experts."""
-    fp32 = _model(tokenizer, num_experts=16, num_hidden_layers=4)
-    bf16 = _model(tokenizer, dtype=torch.bfloat16, num_experts=16, num_hidden_layers=4)
-    bf16.load_state_dict({k: v.to(torch.bfloat16) for k, v in fp32.state_dict().items()})
+    # 32 experts top-4 (DESIGN.md's proxy) with narrower routers than the other tests: closer races between experts
+    shape = dict(num_experts=32, num_experts_per_tok=4, num_hidden_layers=4, router_logit_std=0.3)
+    fp32, bf16 = _model(tokenizer, **shape), _model(tokenizer, dtype=torch.bfloat16, **shape)
     fp32.load_state_dict({k: v.float() for k, v in bf16.state_dict().items()})  # same (bf16-representable) weights
     ids, mask, sequences, lengths, sampled = _generate(bf16, 1.0, max_new_tokens=MAX_NEW)
     prompt_ids, prompt_mask, completion_ids, completion_mask = _trl_batch(sequences, ids.shape[1], lengths)
