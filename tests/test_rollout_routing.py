@@ -269,3 +269,24 @@ def test_bf16_sampler_routes_are_forced_in_an_fp32_forward(tokenizer):
           f"differ without replay")
     assert differed.any()  # the precision gap is real here, so replay has something to force
     assert not route_changes(forced, routes, per_layer=True)[real].any()
+
+
+def test_peft_wrapped_model_records_the_inner_generation_forwards(tokenizer):
+    """PEFT's generate calls the inner transformers model, bypassing the wrapper's forward: the recorder hooks the
+    module generate really calls. Fresh LoRA adapters (B = 0) leave the model unchanged, so the routes must match."""
+    from peft import LoraConfig, get_peft_model
+
+    model = _model(tokenizer)
+    _, plain = _record(model)
+    _, wrapped = _record(get_peft_model(model, LoraConfig(r=4, target_modules=["q_proj"])))
+    for a, b in zip(plain.prompt_routes + plain.completion_routes, wrapped.prompt_routes + wrapped.completion_routes):
+        assert torch.equal(a, b)
+
+
+def test_per_sample_refuses_impossible_completion_lengths(tokenizer):
+    ids, mask = _prompts()
+    rec, _ = _record(_model(tokenizer))
+    generated = len(rec.fed)  # one prefill, then one decode call per new token but the last
+    sequences = torch.cat([ids, torch.zeros(len(mask), generated, dtype=torch.long)], 1)
+    with pytest.raises(RoutingReplayError, match="completion lengths"):
+        rec.per_sample(sequences, mask, [generated + 1] * len(mask))
