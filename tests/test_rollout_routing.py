@@ -199,7 +199,8 @@ def test_pad_routes_like_refuses_misaligned_lengths_and_padding():
     prompt_mask = torch.tensor([[0, 1, 1, 1], [0, 0, 1, 1]])
     completion_mask = torch.tensor([[1, 1, 1, 0], [1, 1, 0, 0]])
     out = pad_routes_like(routes, routes, prompt_mask, completion_mask)
-    assert out.shape == (2, 8, 2, 2) and torch.equal(has_route(out), torch.cat([prompt_mask, completion_mask], 1).bool())
+    assert out.shape == (2, 8, 2, 2)
+    assert torch.equal(has_route(out), torch.cat([prompt_mask, completion_mask], 1).bool())
     with pytest.raises(RoutingReplayError, match="length mismatch in row 1"):
         pad_routes_like(routes, routes, prompt_mask, torch.tensor([[1, 1, 1, 0], [1, 1, 1, 0]]))
     with pytest.raises(RoutingReplayError, match="prompt_mask row 0 is not left-padded"):

@@ -5,5 +5,6 @@ from .replay import Recording, RoutingReplay, RoutingReplayError, drift_statisti
 from .rollout import (GenerationRecording, SampledRoutes, has_route, no_route, pad_routes_like, record_generation,
                       route_dtype)
 
-__all__ = ["GenerationRecording", "Recording", "RoutingReplay", "RoutingReplayError", "SampledRoutes", "drift_statistics",
-           "find_routers", "has_route", "no_route", "pad_routes_like", "record_generation", "route_changes", "route_dtype"]
+__all__ = ["GenerationRecording", "Recording", "RoutingReplay", "RoutingReplayError", "SampledRoutes",
+           "drift_statistics", "find_routers", "has_route", "no_route", "pad_routes_like", "record_generation",
+           "route_changes", "route_dtype"]

@@ -9,15 +9,17 @@ force them in the trainer's passes. Knows nothing of TRL.
     with record_generation(rr, temperature=T) as rec:
         seqs = model.generate(input_ids=prompt_ids, attention_mask=prompt_mask, do_sample=True, temperature=T)
     sampled = rec.per_sample(seqs, prompt_mask, completion_lengths)   # unpadded, on CPU
-    routes = pad_routes_like(sampled.prompt_routes, sampled.completion_routes, prompt_mask, completion_mask)
+    routes = pad_routes_like(sampled.prompt_routes, sampled.completion_routes, trl_prompt_mask, completion_mask)
     with rr.replay(routes, mask=has_route(routes) & attention_mask.bool(), stats_mask=...):
         model(input_ids=torch.cat([prompt_ids, completion_ids], 1), attention_mask=attention_mask)
 
 Layout: the token at position t of a sequence is routed in the forward that is fed token t. The last sampled token
 is never fed forward (vLLM's `routed_experts` has `prompt_len + completion_len - 1` rows for the same reason), so it
-has no route; nor has padding. Such slots hold the sentinel `no_route(dtype)` (the dtype's maximum) in all k slots,
-never expert 0, and must be masked out of replay with `has_route`. Its routes only matter for tokens after it, which
-are never scored, so replaying nothing there is exact.
+has no route; nor has padding. (HF generate does feed a completion that stopped early its stop token in the next
+step, with pad tokens after it; those routes are dropped too, so every completion has the same layout as vLLM's.) Such slots hold the sentinel `no_route(dtype)` (the dtype's maximum) in all k slots,
+never expert 0, and must be masked out of replay (`mask=has_route(...)`; also out of `stats_mask`, else they count as
+drift). The last token's route could only affect positions after it, which are padding and never scored, so leaving it
+unforced changes no scored log-prob.
 """
 
 from __future__ import annotations
@@ -91,6 +93,12 @@ class GenerationRecording:
     Calls are laid end to end: call c is fed positions `[start_c, start_c + len_c)` of the output sequence and its
     last logits predict position `start_c + len_c`, the first token of the next call. Routes and fed ids stay on the
     model's device while generating (no host sync per decode step) and go to CPU in `per_sample`.
+
+    transformers 5.23 `generate` internals this relies on (generation/utils.py `_sample`, `_prefill`): one prefill
+    call (or several with `prefill_chunk_size`), then one call per new token but the last, fed the previous token;
+    logits come as `[batch, 1, vocab]` (`logits_to_keep=1`); finished rows are fed pad tokens; a `DeferredStopCheck`
+    (mps) runs one extra decode call that generate undoes. `per_sample` checks the fed ids against generate's output,
+    so a layout these facts no longer describe fails there instead of misaligning routes.
     """
 
     def __init__(self, replay: RoutingReplay, temperature: float):
@@ -236,7 +244,8 @@ def pad_routes_like(prompt_routes: Sequence[torch.Tensor], completion_routes: Se
     if not (len(prompt_routes) == len(completion_routes) == batch == completion_mask.shape[0]):
         raise RoutingReplayError(
             f"pad_routes_like got {len(prompt_routes)} prompt and {len(completion_routes)} completion routes for masks "
-            f"of {batch} and {completion_mask.shape[0]} rows. Fix: pass routes and masks of the same samples, in order.")
+            f"of {batch} and {completion_mask.shape[0]} rows. Fix: pass routes and masks of the same samples, in "
+            "order.")
     if batch == 0:
         raise RoutingReplayError("pad_routes_like got an empty batch.")
     first = prompt_routes[0]
