@@ -16,10 +16,11 @@ force them in the trainer's passes. Knows nothing of TRL.
 Layout: the token at position t of a sequence is routed in the forward that is fed token t. The last sampled token
 is never fed forward (vLLM's `routed_experts` has `prompt_len + completion_len - 1` rows for the same reason), so it
 has no route; nor has padding. (HF generate does feed a completion that stopped early its stop token in the next
-step, with pad tokens after it; those routes are dropped too, so every completion has the same layout as vLLM's.) Such slots hold the sentinel `no_route(dtype)` (the dtype's maximum) in all k slots,
-never expert 0, and must be masked out of replay (`mask=has_route(...)`; also out of `stats_mask`, else they count as
-drift). The last token's route could only affect positions after it, which are padding and never scored, so leaving it
-unforced changes no scored log-prob.
+step, with pad tokens after it; those routes are dropped too, so every completion has the same layout as vLLM's.)
+Such slots hold the sentinel `no_route(dtype)` (the dtype's maximum) in all k slots, never expert 0, and must be
+masked out of replay (`mask=has_route(...)`; also out of `stats_mask`, else they count as drift). The last token's
+route could only affect positions after it, which are padding and never scored, so leaving it unforced changes no
+scored log-prob.
 """
 
 from __future__ import annotations
