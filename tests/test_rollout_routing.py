@@ -247,6 +247,12 @@ def test_recording_refuses_generate_without_kv_cache(tokenizer):
                                    eos_token_id=EOS, pad_token_id=0, use_cache=False)
     with pytest.raises(RoutingReplayError, match="do not line up"):
         rec.per_sample(sequences, mask, [3] * len(ids))
+    with torch.no_grad(), record_generation(rr) as rec:  # two generate calls in one block
+        for _ in range(2):
+            sequences = model.generate(input_ids=ids, attention_mask=mask, do_sample=False, max_new_tokens=3,
+                                       eos_token_id=EOS, pad_token_id=0, use_cache=True)
+    with pytest.raises(RoutingReplayError, match="do not line up"):
+        rec.per_sample(sequences, mask, [1] * len(ids))
 
 
 def test_bf16_sampler_routes_are_forced_in_an_fp32_forward(tokenizer):

@@ -161,12 +161,16 @@ class GenerationRecording:
         # Routes exist for positions 0 .. P+G-2 (the last token is never fed); a deferred stop check may add one
         # more forward, fed the last token, which is dropped for a uniform layout.
         needed = width + generated - 1
-        fed = torch.cat([ids.to(sequences.device) for ids in self.fed], dim=1) if self.fed else sequences[:, :0]
-        if fed.shape[1] < needed or not torch.equal(fed[:, :needed], sequences[:, :needed]):
+        same_batch = all(ids.shape[0] == batch for ids in self.fed)
+        fed = torch.cat([ids.to(sequences.device) for ids in self.fed], 1) if self.fed and same_batch else None
+        lined_up = (fed is not None and needed <= fed.shape[1] <= needed + 1
+                    and torch.equal(fed[:, :needed], sequences[:, :needed]))
+        if not lined_up:
             raise RoutingReplayError(
-                f"the recorded forwards were fed {fed.shape[1]} positions that do not line up with generate's output "
-                f"({needed} expected: prompt {width} + {generated} new tokens - 1). Fix: record exactly one "
-                "`generate(input_ids=..., use_cache=True)` call, from an empty cache, inside `record_generation`.")
+                f"the recorded forwards were fed {0 if fed is None else fed.shape[1]} positions that do not line up "
+                f"with generate's output ({needed} expected: prompt {width} + {generated} new tokens - 1). Fix: "
+                "record exactly one `generate(input_ids=..., use_cache=True)` call, from an empty cache, inside "
+                "`record_generation`.")
         if self.pending is not None:  # the last call's logits predict the last token: gather it from the output
             position, logps = self.pending
             if position < sequences.shape[1]:
