@@ -54,6 +54,46 @@ def skip_without_math_verify(reward_funcs) -> None:
 def pytest_configure(config):
     config.addinivalue_line("markers", "slow: end-to-end runs of several seconds or more (deselect with -m 'not slow')")
     config.addinivalue_line("markers", "multiprocess: launches several processes with accelerate")
+    config.addinivalue_line("markers", "gpu: the GPU acceptance suite (tests/gpu); run with `pytest -m gpu`")
+
+
+def pytest_collection_modifyitems(config, items):
+    """The default run leaves the GPU acceptance suite out; a `-m` expression that names `gpu` selects it."""
+    if "gpu" in (config.option.markexpr or ""):
+        return
+    kept = [item for item in items if item.get_closest_marker("gpu") is None]
+    if len(kept) != len(items):
+        config.hook.pytest_deselected(items=[item for item in items if item.get_closest_marker("gpu") is not None])
+        items[:] = kept
+
+
+# ---------------------------------------------------------------- the GPU acceptance suite (tests/test_gpu.py)
+GPU_FIGURES: list[tuple[str, str]] = []  # (check, figure) printed at the end of a `pytest -m gpu` run
+GPU_TESTS_DEVICE = os.environ.get("TRL_GSPO_GPU_TESTS_DEVICE", "cuda")  # "cpu": a developer aid, see test_gpu.py
+
+
+@pytest.fixture
+def device() -> str:
+    """The GPU tests' device: CUDA, or a skip saying there is none."""
+    if GPU_TESTS_DEVICE == "cuda" and not torch.cuda.is_available():
+        pytest.skip("no CUDA device visible: the GPU acceptance suite (pytest -m gpu) runs on a GPU machine")
+    return GPU_TESTS_DEVICE
+
+
+@pytest.fixture
+def record_figure():
+    """`record_figure(check, figure)`: a line of the summary a `pytest -m gpu` run prints at its end."""
+    return lambda check, figure: GPU_FIGURES.append((check, figure))
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus, config):
+    if not GPU_FIGURES:
+        return
+    cuda = GPU_TESTS_DEVICE == "cuda" and torch.cuda.is_available()
+    where = torch.cuda.get_device_name(0) if cuda else GPU_TESTS_DEVICE
+    terminalreporter.section(f"trl-gspo GPU acceptance: {where}, torch {torch.__version__}")
+    for check, figure in GPU_FIGURES:
+        terminalreporter.write_line(f"{check:<52} {figure}")
 
 
 @pytest.fixture(scope="session")
