@@ -27,6 +27,7 @@ from .losses import (
     raise_if_nonfinite,
     sequence_log_ratio,
 )
+from .model_checks import check_moe_aux_loss, check_trl_backbone, model_config
 
 logger = logging.get_logger(__name__)  # transformers' logger: adds `warning_once`
 
@@ -61,6 +62,11 @@ class GSPOTrainer(GRPOTrainer):
         # Validate before TRL loads models or datasets: a bad option should cost nothing.
         validate_gspo_args(args)
         _refuse_unused_token_advantages(type(self), args)
+        config = model_config(model, args)
+        if config is not None:
+            check_moe_aux_loss(config, args)
+        if not isinstance(model, str):
+            check_trl_backbone(model)
         if args.loss_type in GSPO_LOSS_TYPES:
             _warn_about_setup(args)
         super().__init__(model, reward_funcs, args, *positional, **kwargs)

@@ -1,0 +1,69 @@
+"""Checks of a model's configuration against what TRL will do with it, run when `GSPOTrainer` is constructed, so
+that an unsupported combination fails in a second instead of after the model has loaded and generated.
+
+Knows no trainer: takes a transformers config and the training arguments.
+"""
+
+from __future__ import annotations
+
+
+def aux_loss_enabled(text_config, args) -> bool:
+    """TRL 1.16's rule (`GRPOTrainer.__init__`): the MoE load-balancing loss is added when the config can return
+    router logits and the coefficient (the argument, else the config's own, else 0) is non-zero."""
+    coef = args.router_aux_loss_coef
+    coef = getattr(text_config, "router_aux_loss_coef", 0.0) if coef is None else coef
+    return hasattr(text_config, "output_router_logits") and coef != 0.0
+
+
+def check_moe_aux_loss(config, args) -> None:
+    """Refuse a MoE whose load-balancing loss TRL would compute but cannot.
+
+    TRL 1.16 computes the aux loss in its fused log-prob path from `config.num_experts` and
+    `config.num_experts_per_tok`. Families that name the expert count otherwise (GraniteMoE and Llama4:
+    `num_local_experts`; DeepSeek-V3 and GLM-4-MoE: `n_routed_experts`) fail there with an AttributeError, on the
+    first scoring pass (measured: 144 s into a GraniteMoE-3B run on an H100). Raises `ValueError` naming the option
+    and the fix.
+    """
+    text_config = config.get_text_config() if hasattr(config, "get_text_config") else config
+    if not aux_loss_enabled(text_config, args):
+        return
+    missing = [name for name in ("num_experts", "num_experts_per_tok") if not hasattr(text_config, name)]
+    if missing:
+        raise ValueError(
+            f"`router_aux_loss_coef`: {type(config).__name__} enables the MoE load-balancing loss (router_aux_loss_coef="
+            f"{getattr(text_config, 'router_aux_loss_coef', None)} in the model config), which TRL computes from "
+            f"config.{' and config.'.join(missing)}, absent on this architecture: training would fail at the first "
+            "scoring pass. Fix: set router_aux_loss_coef=0 in the training arguments (GSPOConfig / the recipe) to "
+            "train without the aux loss."
+        )
+
+
+def check_trl_backbone(model) -> None:
+    """Refuse a model object whose backbone TRL's fused log-prob path cannot find.
+
+    TRL 1.16 scores completions through `model.base_model` (the submodule named by `base_model_prefix`) and its LM
+    head. When the prefix names no submodule, `base_model` is the model itself and every scoring pass fails
+    (measured: transformers' text-only `Llama4ForCausalLM`, prefix "language_model", backbone at `.model`)."""
+    inner = model.get_base_model() if hasattr(model, "get_base_model") else model  # a PEFT-wrapped model
+    if getattr(inner, "base_model", None) is inner and hasattr(inner, "lm_head"):
+        raise ValueError(
+            f"`model`: {type(inner).__name__}.base_model_prefix={inner.base_model_prefix!r} names no submodule, so "
+            "TRL's log-prob path (every GRPO/GSPO scoring pass) cannot find the model's backbone and would fail at the "
+            "first step. Fix: load the checkpoint with a class whose base_model_prefix names its backbone (for "
+            "Llama 4, Llama4ForConditionalGeneration), or use another architecture."
+        )
+
+
+def model_config(model, args):
+    """The transformers config of `model` (a model object or a hub id / path) without loading weights, or None when
+    it cannot be read here (TRL then reports the problem itself)."""
+    if not isinstance(model, str):
+        return getattr(model, "config", None)
+    from transformers import AutoConfig
+
+    init = args.model_init_kwargs or {}
+    try:
+        return AutoConfig.from_pretrained(model, revision=init.get("revision"),
+                                          trust_remote_code=init.get("trust_remote_code", args.trust_remote_code))
+    except (OSError, ValueError):
+        return None
