@@ -439,13 +439,13 @@ def test_grpo_config_with_gspo_warns_paper_values(tmp_path, tokenizer, caplog):
 def test_setup_warnings_are_emitted_once(tmp_path, caplog):
     from transformers.utils.logging import warning_once
 
-    from trl_gspo.trainer import _warn_about_setup
+    from trl_gspo.config import warn_about_setup
 
     warning_once.cache_clear()
     cfg = tiny_config(tmp_path, config_cls=GRPOConfig, loss_type="gspo")
-    with caplog.at_level(logging.WARNING, logger="trl_gspo.trainer"):
-        _warn_about_setup(cfg)
-        _warn_about_setup(cfg)
+    with caplog.at_level(logging.WARNING, logger="trl_gspo.config"):
+        warn_about_setup(cfg)
+        warn_about_setup(cfg)
     assert caplog.text.count("fully on-policy") == 1 and caplog.text.count("epsilon=0.2") == 1
 
 

@@ -179,3 +179,48 @@ def check_resume_before_launch(value, output_dir: str) -> None:
         value, output_dir, warn=lambda message: print(f"trl-gspo: warning: {message}", file=sys.stderr))
     if checkpoint is not None:
         print(f"trl-gspo: resuming from {checkpoint}", file=sys.stderr)
+
+
+def rollout_layout(args, num_iterations: int) -> dict:
+    """What a saved rollout batch depends on: resuming it under another layout would mis-split it."""
+    return dict(world_size=args.world_size, steps_per_generation=args.steps_per_generation,
+                num_iterations=num_iterations, per_device_train_batch_size=args.per_device_train_batch_size,
+                gradient_accumulation_steps=args.gradient_accumulation_steps)
+
+
+def restore_rollout_state(checkpoint: str, args, num_iterations: int, device, warn) -> tuple[int, list] | None:
+    """TRL's micro-step counter and buffered rollout mini-batches saved with `checkpoint` for this rank, or None.
+    None in the middle of a rollout batch means the resumed run generates a new one: `warn` says so."""
+    restored = load_rollout_buffer(rollout_buffer_path(checkpoint, args.process_index),
+                                   rollout_layout(args, num_iterations), device)
+    if not isinstance(restored, str):
+        return restored
+    with open(os.path.join(checkpoint, TRAINER_STATE)) as handle:
+        micro_steps = json.load(handle)["global_step"] * args.gradient_accumulation_steps
+    if micro_steps % (args.steps_per_generation * num_iterations) != 0:
+        warn(f"resuming from {checkpoint}, in the middle of a rollout batch, without its saved rollout batch "
+             f"({restored}): a new rollout batch is generated, so training continues differently from the "
+             "uninterrupted run.")
+    return None
+
+
+def load_full_weights(model, checkpoint: str) -> None:
+    """Load a full-model checkpoint into `model` through `from_pretrained`, which applies transformers' weight
+    conversions: transformers 5.x saves fused MoE experts in the hub's per-expert layout, which a plain
+    `load_state_dict` would silently skip (the expert weights would keep their current values)."""
+    dtype = next(model.parameters()).dtype
+    restored = type(model).from_pretrained(checkpoint, dtype=dtype, device_map="cpu")
+    missing, unexpected = model.load_state_dict(restored.state_dict(), strict=False)
+    # Tied weights (lm_head = embed_tokens) are legitimately absent from the checkpoint.
+    tied = set(getattr(model, "all_tied_weights_keys", {}) or {})
+    missing = [key for key in missing if key not in tied]
+    if missing or unexpected:
+        raise RuntimeError(
+            f"resuming from {checkpoint}: checkpoint does not match the model (missing {missing[:5]}, "
+            f"unexpected {unexpected[:5]}). Fix: resume with the model architecture the checkpoint was saved from."
+        )
+
+
+def has_full_weights(checkpoint: str) -> bool:
+    return any(os.path.isfile(os.path.join(checkpoint, name))
+               for name in ("model.safetensors", "model.safetensors.index.json"))

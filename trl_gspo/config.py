@@ -6,9 +6,11 @@ import logging
 import numbers
 from dataclasses import dataclass, field
 
+from transformers.utils import logging as hf_logging
 from trl import GRPOConfig
 
 logger = logging.getLogger(__name__)
+_once_logger = hf_logging.get_logger(__name__)  # transformers' logger: adds `warning_once`
 
 GSPO_LOSS_TYPES = ("gspo", "gspo_token")
 # Loss types TRL 1.16 implements itself; GSPOTrainer hands these to `GRPOTrainer._compute_loss` untouched.
@@ -133,9 +135,13 @@ class GSPOConfig(GRPOConfig):
         default="none",
         metadata={
             "help": "MoE routing replay. 'none': natural routing (routing drift is still measured and logged when "
-            "TRL runs an old-policy pass). 'old': record the experts each token used in TRL's old-policy pass and "
-            "force them when the current policy is scored (the GSPO paper's GRPO baseline; works with every loss "
-            "type). Needs an off-policy setup: fully on-policy training has no old-policy pass to record."
+            "TRL runs an old-policy pass). 'old' (R2): record the experts each token used in TRL's old-policy pass "
+            "and force them when the current policy is scored (the GSPO paper's GRPO baseline; works with every loss "
+            "type). Needs an off-policy setup: fully on-policy training has no old-policy pass to record. "
+            "'sampler' (R3, rollout routing replay): record the experts each token used where it was sampled (HF "
+            "generate, or vLLM with routed experts) and force them in the old-policy pass and every training pass, "
+            "so the trainer scores the experts that produced the tokens; also records the sampler's log-probs "
+            "(sampling/* metrics). See docs/sampling.md."
         },
     )
     routing_replay_offload: bool = field(
@@ -206,8 +212,10 @@ def validate_gspo_args(args: GRPOConfig) -> None:
             "use 'token' or 'sequence'.",
         )
     routing_replay = getattr(args, "routing_replay", "none")
-    if routing_replay not in ("none", "old"):
-        raise _error("routing_replay", f"unknown value {routing_replay!r}.", "use 'none' or 'old'.")
+    if routing_replay not in ("none", "old", "sampler"):
+        raise _error("routing_replay", f"unknown value {routing_replay!r}.", "use 'none', 'old' or 'sampler'.")
+    if routing_replay == "sampler":
+        _check_sampler_can_route(args)
     if args.loss_type not in GSPO_LOSS_TYPES:
         return
 
@@ -232,4 +240,49 @@ def validate_gspo_args(args: GRPOConfig) -> None:
             f"two-sided clipping caps the sequence ratio at delta, which must lie above the clip band "
             f"(> 1 + epsilon_high = {1.0 + epsilon_high}), got {args.delta}.",
             f"set delta > {1.0 + epsilon_high} (e.g. {round(1.0 + 4 * epsilon_high, 6)}), or unset it.",
+        )
+
+
+def _check_sampler_can_route(args) -> None:
+    """R3 needs the routes of every sampled token, laid out like TRL's batch; refuse the samplers that cannot give
+    them (each refusal names the fix)."""
+    if getattr(args, "use_transformers_continuous_batching", False):
+        raise _error("routing_replay", "'sampler' records routes during HF `generate`; continuous batching "
+                     "(use_transformers_continuous_batching) does not call it.",
+                     "set use_transformers_continuous_batching=False, or routing_replay='old'.")
+    if args.use_vllm:
+        from .sampling.vllm import check_vllm_routes
+
+        check_vllm_routes(args)
+
+
+def runs_old_policy_pass(args) -> bool:
+    """Whether TRL computes `old_per_token_logps` (its condition in `_generate_and_score_completions`): only when a
+    rollout batch outlives one optimizer step, or for vLLM importance-sampling correction. Otherwise training is
+    fully on-policy and every importance ratio is exactly 1."""
+    generate_every = args.steps_per_generation * args.num_iterations
+    return args.gradient_accumulation_steps % generate_every != 0 or bool(
+        args.use_vllm and args.vllm_importance_sampling_correction
+    )
+
+
+def warn_about_setup(args) -> None:
+    """Warn (once) about a gspo setup that does not do what the paper does: TRL's GRPOConfig clip range, or fully
+    on-policy training, where every ratio is 1."""
+    if not isinstance(args, GSPOConfig):
+        epsilon_high = args.epsilon if args.epsilon_high is None else args.epsilon_high
+        if (args.epsilon, epsilon_high) != (PAPER_EPSILON_LOW, PAPER_EPSILON_HIGH):
+            _once_logger.warning_once(
+                f"loss_type={args.loss_type!r} with TRL's GRPOConfig: clip range epsilon={args.epsilon}, "
+                f"epsilon_high={epsilon_high}. The GSPO paper uses epsilon=3e-4, epsilon_high=4e-4, beta=0 and "
+                "steps_per_generation = 4 x gradient_accumulation_steps; trl_gspo.GSPOConfig applies these "
+                "by default.",
+            )
+    if not runs_old_policy_pass(args):
+        _once_logger.warning_once(
+            f"loss_type={args.loss_type!r} with steps_per_generation={args.steps_per_generation}, "
+            f"num_iterations={args.num_iterations}, gradient_accumulation_steps={args.gradient_accumulation_steps}: "
+            "training is fully on-policy, so every importance ratio is exactly 1 and nothing is ever clipped "
+            "(GSPO then coincides with GRPO). For the paper's off-policy setup set steps_per_generation to "
+            "4 x gradient_accumulation_steps or num_iterations > 1.",
         )

@@ -28,6 +28,7 @@ __all__ = [
     "masked_token_mean",
     "applied_entropy_coef",
     "adaptive_entropy_coef",
+    "entropy_window_stats",
 ]
 
 
@@ -335,6 +336,13 @@ def adaptive_entropy_coef(coef: float, entropy: float, target: float, step: floa
     if entropy <= target:
         return min(coef + step, coef_max)
     return max(coef - step, coef_min)
+
+
+def entropy_window_stats(window: torch.Tensor | None, entropies: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """`[entropy sum, token count]` of an accumulation window, with this micro-batch's masked tokens added; the
+    adaptive controller takes the mean over all ranks' window at the optimizer step (`adaptive_entropy_coef`)."""
+    stats = torch.stack([(entropies * mask).sum(), mask.sum()]).detach().float()
+    return stats if window is None else window + stats
 
 
 def k3_kl(logps: torch.Tensor, ref_logps: torch.Tensor) -> torch.Tensor:

@@ -7,6 +7,15 @@ Knows no trainer: takes a transformers config and the training arguments.
 from __future__ import annotations
 
 
+def check_model(model, args) -> None:
+    """Every construction-time check of `model` (an object, or a hub id / path read as a config only)."""
+    config = model_config(model, args)
+    if config is not None:
+        check_moe_aux_loss(config, args)
+    if not isinstance(model, str):
+        check_trl_backbone(model)
+
+
 def aux_loss_enabled(text_config, args) -> bool:
     """TRL 1.16's rule (`GRPOTrainer.__init__`): the MoE load-balancing loss is added when the config can return
     router logits and the coefficient (the argument, else the config's own, else 0) is non-zero."""

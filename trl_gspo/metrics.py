@@ -1,0 +1,77 @@
+"""The gspo loss's logged metrics as pure functions of tensors (docs/metrics.md). Sync-free: every value stays on the
+device; the caller reduces the sums over ranks (one `reduce`), gathers the per-sequence values (one `gather`) and
+reads the result to the host once. Knows no trainer and no TRL.
+
+    sums = metric_sums(out, mask, entropies, policy_loss, per_token_kl, aux_loss, delta_clipped)
+    per_sequence = per_sequence_values(out, mask)
+    values = finish(reduce(sums), gather(per_sequence))      # dict name -> 0-d tensor
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def metric_sums(out, mask, entropies, policy_loss, per_token_kl=None, aux_loss=None, with_delta=False) -> dict:
+    """Per-rank sums to add over ranks: token counts and token sums (for means over every rank's tokens) and
+    per-rank scalars with a rank count (for means over ranks). `out` is a `GSPOLossOutput`."""
+    mask = mask.float()
+    sums = {
+        "tokens": mask.sum(),
+        "entropy": (entropies.float() * mask).sum(),
+        "clipped": ((out.low_clipped | out.high_clipped).float() * mask).sum(),
+        "policy_loss": policy_loss.float(),
+        "ranks": torch.ones((), device=mask.device),
+    }
+    if per_token_kl is not None:
+        sums["kl"] = (per_token_kl.float() * mask).sum()
+    if with_delta:
+        sums["delta_clipped"] = (out.delta_clipped.float() * mask).sum()
+    if aux_loss is not None:
+        sums["aux_loss"] = aux_loss.float()
+    return sums
+
+
+def per_sequence_values(out, mask) -> torch.Tensor:
+    """`[sequences, 5]`: low-clipped, high-clipped, clipped, log s_i, non-empty. A sequence counts as clipped if its
+    ratio was (for gspo_token with per-token advantages: if any of its tokens was)."""
+    return torch.stack([
+        out.low_clipped.any(-1).float(), out.high_clipped.any(-1).float(),
+        (out.low_clipped | out.high_clipped).any(-1).float(), out.log_ratio.float(), (mask.sum(-1) > 0).float(),
+    ], dim=1)
+
+
+def finish(totals: dict, per_sequence: torch.Tensor) -> dict:
+    """Metric values from the rank-summed `totals` and every rank's `per_sequence` rows. Ratio statistics are over
+    non-empty sequences (1 / 0 when there is none)."""
+    tokens = totals["tokens"].clamp(min=1.0)
+    low, high, region, log_ratio, nonempty = per_sequence.unbind(1)
+    nonempty = nonempty.bool()
+    count = nonempty.sum()
+    one = torch.ones((), device=per_sequence.device)
+    log_ratio = torch.where(nonempty, log_ratio, torch.zeros_like(log_ratio))
+    ratio = log_ratio.exp()
+    ratio_mean = (ratio * nonempty).sum() / count.clamp(min=1)
+    ratio_var = ((ratio - ratio_mean) ** 2 * nonempty).sum() / (count - 1).clamp(min=1)
+    inf = torch.full_like(ratio, float("inf"))
+    values = {
+        "entropy": totals["entropy"] / tokens,
+        "policy_loss": totals["policy_loss"] / totals["ranks"],
+        "clip_ratio/low_mean": low.mean(), "clip_ratio/low_min": low.min(),
+        "clip_ratio/high_mean": high.mean(), "clip_ratio/high_max": high.max(),
+        "clip_ratio/region_mean": region.mean(),
+        # The paper's "fraction of clipped tokens": completion tokens whose objective term was clipped.
+        "gspo/clipped_token_fraction": totals["clipped"] / tokens,
+        "gspo/ratio_mean": torch.where(count > 0, ratio_mean, one),
+        "gspo/ratio_std": torch.where(count > 1, ratio_var.sqrt(), 0 * one),
+        "gspo/ratio_min": torch.where(count > 0, torch.where(nonempty, ratio, inf).min(), one),
+        "gspo/ratio_max": torch.where(count > 0, torch.where(nonempty, ratio, -inf).max(), one),
+        "gspo/log_ratio_abs_max": log_ratio.abs().max(),
+    }
+    if "kl" in totals:
+        values["kl"] = totals["kl"] / tokens
+    if "aux_loss" in totals:
+        values["aux_loss"] = totals["aux_loss"] / totals["ranks"]
+    if "delta_clipped" in totals:
+        values["gspo/delta_clipped_token_fraction"] = totals["delta_clipped"] / tokens
+    return values

@@ -1,0 +1,105 @@
+"""Sampler/trainer mismatch metrics (docs/sampling.md), as pure tensor functions plus one logging helper.
+
+Inputs, per completion token: the trainer's log-prob `logps` (TRL's old-policy pass: the weights that sampled),
+the sampler's `sampler_logps` (vLLM or HF generate; NaN where the sampler gave none) and the completion `mask`.
+With `r_t = pi_trainer(y_t) / pi_sampler(y_t)`, the raw token ratio before any clip or correction:
+
+    token ratio           mean, min, max of r_t; share of tokens with r_t outside [0.5, 2]
+    sequence ratio        s_i = exp(mean_t log r_t) (GSPO's view, eq. 7 of arXiv 2507.18071): mean, min, max, and
+                          the share of sequences outside GSPO's clip band [1 - eps_low, 1 + eps_high] from the
+                          mismatch alone
+    k3 KL                 mean_t (r_t - 1 - log r_t): an unbiased, non-negative estimate of KL(sampler || trainer)
+                          from tokens drawn from the sampler (Schulman's k3 estimator, since E_sampler[r] = 1)
+    chi-squared           mean_t r_t^2 - 1: estimates chi^2(trainer || sampler) = E_sampler[r^2] - 1
+    missing log-probs     share of completion tokens without a sampler log-prob
+
+Sums are kept per rank and reduced by the caller, so the values are over every rank's tokens.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+__all__ = ["finish_mismatch", "mismatch_sums", "sampling_metrics"]
+
+
+def mismatch_sums(logps: torch.Tensor, sampler_logps: torch.Tensor, mask: torch.Tensor, eps_low: float = 3e-4,
+                  eps_high: float = 4e-4, changed: torch.Tensor | None = None) -> tuple[dict, torch.Tensor]:
+    """Per-rank sums (to add over ranks) and `[4]` extremes (max r, -min r, max s, -min s: to max over ranks).
+    `changed` (optional, `[B, T]` bool): tokens whose sampler route differed from the trainer's, for the
+    changed / unchanged split of |log r_t|."""
+    logps, sampler_logps = logps.double(), sampler_logps.double()
+    present = mask.bool() & ~torch.isnan(sampler_logps)
+    log_r = torch.where(present, logps - sampler_logps, torch.zeros_like(logps))
+    ratio = log_r.exp()
+    tokens = present.double()
+    per_sequence = tokens.sum(-1)
+    nonempty = per_sequence > 0
+    log_s = log_r.sum(-1) / per_sequence.clamp(min=1)
+    outside_band = nonempty & ((log_s < math.log1p(-eps_low)) | (log_s > math.log1p(eps_high)))
+    sums = {
+        "tokens": tokens.sum(), "missing": (mask.bool() & ~present).double().sum(), "masked": mask.double().sum(),
+        "ratio": (ratio * tokens).sum(), "outside_half_double": (((ratio < 0.5) | (ratio > 2.0)) & present).double().sum(),
+        "k3": ((ratio - 1 - log_r) * tokens).sum(), "ratio_sq": (ratio.square() * tokens).sum(),
+        "sequences": nonempty.double().sum(), "seq_ratio": (log_s.exp() * nonempty).sum(),
+        "seq_outside_band": outside_band.double().sum(),
+    }
+    if changed is not None:
+        changed = changed.to(present.device) & present
+        sums["changed_tokens"] = changed.double().sum()
+        sums["changed_abs_log_r"] = (log_r.abs() * changed).sum()
+        sums["unchanged_abs_log_r"] = (log_r.abs() * (present & ~changed)).sum()
+    inf = torch.full_like(ratio, math.inf)
+    seq_inf = torch.full_like(log_s, math.inf)
+    extremes = torch.stack([
+        torch.where(present, ratio, -inf).max(), -torch.where(present, ratio, inf).min(),
+        torch.where(nonempty, log_s.exp(), -seq_inf).max(), -torch.where(nonempty, log_s.exp(), seq_inf).min(),
+    ])
+    return sums, extremes
+
+
+def finish_mismatch(totals: dict, extremes: torch.Tensor) -> dict:
+    """Metric values (0-d tensors, names under `sampling/`) from rank-summed `totals` and rank-maxed `extremes`.
+    With no token (every sampler log-prob missing) ratios read 1 and divergences 0."""
+    tokens, sequences = totals["tokens"].clamp(min=1), totals["sequences"].clamp(min=1)
+    has_tokens, has_sequences = totals["tokens"] > 0, totals["sequences"] > 0
+    one = torch.ones((), dtype=torch.float64, device=extremes.device)
+    values = {
+        "sampling/token_ratio_mean": torch.where(has_tokens, totals["ratio"] / tokens, one),
+        "sampling/token_ratio_min": torch.where(has_tokens, -extremes[1], one),
+        "sampling/token_ratio_max": torch.where(has_tokens, extremes[0], one),
+        "sampling/token_ratio_outside_0.5_2": totals["outside_half_double"] / tokens,
+        "sampling/seq_ratio_mean": torch.where(has_sequences, totals["seq_ratio"] / sequences, one),
+        "sampling/seq_ratio_min": torch.where(has_sequences, -extremes[3], one),
+        "sampling/seq_ratio_max": torch.where(has_sequences, extremes[2], one),
+        "sampling/seq_outside_clip_band": totals["seq_outside_band"] / sequences,
+        "sampling/k3_kl": totals["k3"] / tokens,
+        "sampling/chi2": torch.where(has_tokens, totals["ratio_sq"] / tokens - 1, 0 * one),
+        "sampling/missing_logp_fraction": totals["missing"] / totals["masked"].clamp(min=1),
+    }
+    if "changed_tokens" in totals:
+        unchanged = (totals["tokens"] - totals["changed_tokens"]).clamp(min=1)
+        values["routing/sampler_changed_token_fraction"] = totals["changed_tokens"] / tokens
+        values["routing/sampler_changed_abs_log_ratio"] = totals["changed_abs_log_r"] / totals["changed_tokens"].clamp(min=1)
+        values["routing/sampler_unchanged_abs_log_ratio"] = totals["unchanged_abs_log_r"] / unchanged
+    return values
+
+
+def sampling_metrics(accelerator, logps, sampler_logps, mask, eps_low, eps_high, changed=None,
+                     agreement_counts=None) -> dict[str, float]:
+    """The metrics over every rank: one sum-reduce, one gather of the extremes, one host read. `agreement_counts`:
+    R3's `[layers, 3]` (differing, forced, counted) route counts of the old-policy pass, for
+    `routing/sampler_agreement` (share of (token, layer) route sets equal between sampler and trainer)."""
+    sums, extremes = mismatch_sums(logps, sampler_logps, mask, eps_low, eps_high, changed)
+    if agreement_counts is not None:
+        counts = agreement_counts.to(extremes.device, torch.float64)
+        sums["route_differing"], sums["route_counted"] = counts[:, 0].sum(), counts[:, 2].sum()
+    reduced = accelerator.reduce(torch.stack(list(sums.values())), reduction="sum")
+    extremes = accelerator.gather(extremes[None]).max(0).values
+    totals = dict(zip(sums, reduced))
+    values = finish_mismatch(totals, extremes)
+    if agreement_counts is not None:
+        values["routing/sampler_agreement"] = 1 - totals["route_differing"] / totals["route_counted"].clamp(min=1)
+    return dict(zip(values, torch.stack(list(values.values())).tolist()))  # the one host read

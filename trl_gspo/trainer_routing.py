@@ -1,0 +1,248 @@
+"""MoE routing inside the trainer: which pass records, what each pass replays, and the routing metrics.
+
+`GSPOTrainer` calls one `TrainerRouting` at five points of a training step and nothing else of routing:
+
+    generation (TRL)       `sampling()` around HF `generate`         R3: records the sampler's routes and log-probs
+    policy passes          `policy_pass(call, ids, mask, width)`     R2: records; R3: replays the sampler's routes
+    end of the round       `finish_round(output)`                    puts the routes to replay into the batch dict
+    training micro-batch   `replay_for(inputs, attention_mask)`      the replay (or drift-only) context, or None
+    after backward         `drift_counts()`                          per-layer counts, reduced over ranks by the caller
+
+Modes (`routing_replay`): "none" (natural routing; drift against the old-policy pass is still measured), "old"
+(R2: the routes of TRL's old-policy pass, the GSPO paper's GRPO baseline) and "sampler" (R3: the routes each token
+took where it was sampled, replayed in the old-policy pass and every training pass). Knows TRL's batch keys, not
+TRL itself; the routing itself is `trl_gspo.routing`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+from transformers.utils import logging
+
+from .routing import RoutingReplay, RoutingReplayError, drift_statistics, find_routers, route_changes
+from .routing.rollout import SampledRoutes, has_route, pad_routes_like, record_generation, route_dtype
+from .sampling.vllm import capture_outputs, routes_from_vllm
+
+logger = logging.get_logger(__name__)
+
+ROUTING_KEY = "routing_indices"  # batch-first: TRL's shuffle and split keep it aligned with its samples
+
+
+class TrainerRouting:
+    """Routing state of one trainer. Build it with `TrainerRouting.build`, which returns None for dense models."""
+
+    def __init__(self, replay: RoutingReplay, mode: str, old_pass_runs: bool, temperature: float):
+        self.replay = replay
+        self.mode = mode
+        self.old_pass_runs = old_pass_runs
+        self.temperature = temperature
+        self._recordings = None  # (logps, indices) of each policy pass in the current generation round (R2)
+        self._sampling = False  # inside a training generation round with R3
+        self._sampled: list[SampledRoutes] = []  # the current round's sampler routes, one entry per generate call
+        self._sampler_routes = None  # padded sampler routes of the current round (R3)
+        self._round_counts = None  # R3: sampler routes vs the old-policy pass's natural routes, per layer
+        self._round_changed = None  # R3: [B, completion] tokens whose scoring position the sampler routed otherwise
+        # R3 records the natural routes of the old-policy pass too (a second set of hooks, installed before the
+        # replay's, so it sees the router's own choice): which tokens the sampler routed differently.
+        self._natural = RoutingReplay(replay.model) if mode == "sampler" else None
+
+    @classmethod
+    def build(cls, model, args, old_pass_runs: bool, rewrites_completions: bool = False) -> TrainerRouting | None:
+        """Routing for `model` (unwrapped, PEFT base model). None when there is nothing to measure; raises
+        `ValueError` when replay was asked for and cannot work. `rewrites_completions`: tool calls or a custom
+        rollout function change completions after sampling, so sampler routes would not line up with them."""
+        mode = getattr(args, "routing_replay", "none")
+        if mode == "sampler" and rewrites_completions:
+            raise ValueError("`routing_replay`: 'sampler' lays the sampler's routes over the completions it "
+                             "generated; tool calls and a custom rollout_func change them after sampling. Fix: set "
+                             "routing_replay='old'.")
+        if not find_routers(model):
+            if mode != "none":
+                raise ValueError(f"`routing_replay`: {type(model).__name__} has no MoE router to replay. Fix: set "
+                                 "routing_replay='none' (it only applies to Mixture-of-Experts models).")
+            return None
+        try:
+            replay = RoutingReplay(model, offload_to_cpu=getattr(args, "routing_replay_offload", False))
+        except RoutingReplayError as err:
+            if mode != "none":
+                raise ValueError(f"`routing_replay`: {err}") from None
+            return None  # drift measurement is optional; replay was not asked for
+        if mode == "old" and not old_pass_runs:
+            logger.warning_once("routing_replay='old' with fully on-policy training: TRL runs no "
+                                "old-policy pass, so there is nothing to record and replay changes nothing. Set "
+                                "steps_per_generation > gradient_accumulation_steps or num_iterations > 1.")
+        return cls(replay, mode, old_pass_runs, args.temperature)
+
+    @property
+    def routers(self):
+        return self.replay.routers
+
+    # ------------------------------------------------------------------ generation round
+    @contextlib.contextmanager
+    def round(self, training: bool):
+        """A generation round (`_generate_and_score_completions`). R2 records every policy pass of it."""
+        self._recordings = [] if (training and self.old_pass_runs and self.mode != "sampler") else None
+        self._sampled, self._sampler_routes, self._round_counts, self._round_changed = [], None, None, None
+        self._sampling = training and self.mode == "sampler"
+        try:
+            yield
+        finally:
+            self._recordings, self._sampling = None, False
+
+    @contextlib.contextmanager
+    def sampling(self, target, vllm: bool = False):
+        """Around TRL's generation call (R3). `target()` gives what generates: the unwrapped model (HF `generate`:
+        the experts of every token and the sampler's log-probs are recorded here) or TRL's colocate vLLM engine
+        (its `routed_experts` are kept). Yields `finish(completion_lengths, logprobs)`, which stores the round's
+        routes and returns the sampler log-probs TRL should see, one list per completion."""
+        if not self._sampling:
+            yield None
+            return
+        if vllm:
+            with capture_outputs(target()) as outputs:
+                def finish_vllm(completion_lengths, logprobs):
+                    self._sampled.append(routes_from_vllm(outputs, route_dtype(self.replay.num_experts,
+                                                                                self.replay.top_k)))
+                    return logprobs  # TRL's own, from vLLM
+
+                yield finish_vllm
+            return
+        generating_model = target()
+        captured = {}
+        original = generating_model.generate
+
+        def generate(*args, **kwargs):  # keeps generate's own output and the prompt mask it was given
+            output = original(*args, **kwargs)
+            captured["sequences"] = output if torch.is_tensor(output) else output.sequences
+            captured["prompt_mask"] = kwargs["attention_mask"]
+            return output
+
+        generating_model.generate = generate
+        try:
+            with record_generation(self.replay, self.temperature) as recording:
+                def finish(completion_lengths, logprobs):
+                    if "sequences" not in captured:
+                        raise RuntimeError("routing_replay='sampler': TRL generated without calling the model's "
+                                           "`generate`, so no sampler routes were recorded. Fix: use HF generation "
+                                           "(not continuous batching) or vLLM, or set routing_replay='old'.")
+                    sampled = recording.per_sample(captured["sequences"], captured["prompt_mask"], completion_lengths)
+                    self._sampled.append(sampled)
+                    return [logps.tolist() for logps in sampled.sampler_logps]
+
+                yield finish
+        finally:
+            del generating_model.generate  # the instance attribute: `generate` is the class's method again
+
+    def _layout(self, prompt_width: int, completion_width: int, attention_mask=None) -> torch.Tensor:
+        """The round's sampler routes laid out like TRL's padded `[prompt | completion]` batch."""
+        if self._sampler_routes is not None:
+            return self._sampler_routes
+        if not self._sampled:
+            raise RuntimeError("routing_replay='sampler': this generation round recorded no sampler routes. Fix: "
+                               "generate with HF generate or vLLM through GSPOTrainer, or set routing_replay='old'.")
+        prompts = [r for s in self._sampled for r in s.prompt_routes]
+        completions = [r for s in self._sampled for r in s.completion_routes]
+        positions = torch.arange(max(prompt_width, completion_width))
+        prompt_mask = positions[:prompt_width] >= prompt_width - torch.tensor([len(r) for r in prompts])[:, None]
+        completion_mask = positions[:completion_width] < torch.tensor([len(r) for r in completions])[:, None]
+        if attention_mask is not None:  # TRL's own mask must agree where it marks real tokens
+            real = attention_mask.bool().cpu()
+            if not torch.equal(real[:, :prompt_width], prompt_mask) or bool(
+                    (real[:, prompt_width:] & ~completion_mask).any()):
+                raise RuntimeError("routing_replay='sampler': the sampler's routes do not line up with TRL's padded "
+                                   "batch (prompt or completion lengths differ), so they would be replayed on the "
+                                   "wrong tokens. Fix: report this with your TRL version; set routing_replay='old'.")
+        self._sampler_routes = pad_routes_like(prompts, completions, prompt_mask, completion_mask)
+        return self._sampler_routes
+
+    def policy_pass(self, call, input_ids, attention_mask, logits_to_keep):
+        """One scoring pass of the policy model during the generation round (TRL's old-policy pass, or another)."""
+        if self._sampling:  # R3: the old-policy pass scores the experts that produced the tokens
+            prompt_width = input_ids.shape[1] - logits_to_keep
+            routes = self._layout(prompt_width, logits_to_keep, attention_mask)
+            force = has_route(routes) & attention_mask.bool().cpu()
+            with self._natural.record() as natural, self.replay.replay(routes, mask=force, stats_mask=force):
+                result = call()
+            self._round_counts = self.replay.token_counts
+            # completion token t is scored by position prompt_width - 1 + t: its route decides the token's log-prob
+            changed = route_changes(natural.indices.cpu(), routes) & force
+            self._round_changed = changed[:, prompt_width - 1:-1]
+            return result
+        if self._recordings is None:
+            return call()
+        with self.replay.record() as recording:
+            result = call()
+        self._recordings.append((result[0], recording.indices))
+        return result
+
+    def finish_round(self, output: dict) -> dict:
+        """Put the routes the training passes replay into the batch dict (`routing_indices`)."""
+        if self._sampling:
+            output[ROUTING_KEY] = self._layout(output["prompt_ids"].shape[1], output["completion_ids"].shape[1])
+            return output
+        recordings = self._recordings
+        if recordings is None:
+            return output
+        # The old-policy pass is the one whose log-probs TRL stored as `old_per_token_logps` (the same tensor
+        # object): identified positively, whatever the order of TRL's passes (docs/trl_contract.md).
+        old_logps = output.get("old_per_token_logps")
+        matches = [indices for logps, indices in recordings if logps is old_logps]
+        if len(matches) == 1:
+            output[ROUTING_KEY] = matches[0]
+        elif self.mode == "old":
+            raise RuntimeError(
+                f"routing_replay='old': none of the {len(recordings)} policy-model log-prob passes of this generation "
+                "round produced the `old_per_token_logps` TRL stored, so the old-policy routing cannot be identified "
+                "(this TRL version computes or stores them differently; see docs/trl_contract.md). Fix: use the TRL "
+                "version tests/test_trl_contract.py passes with, or set routing_replay='none'."
+            )
+        return output
+
+    def sampler_comparison(self) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """R3, the last round's old-policy pass against the sampler: `[layers, 3]` (differing, forced, counted)
+        (token, layer) route counts, and `[B, completion]` route-changed tokens; (None, None) without that pass."""
+        return self._round_counts, self._round_changed
+
+    # ------------------------------------------------------------------ training micro-batch
+    def replay_for(self, inputs: dict, attention_mask: torch.Tensor):
+        """The replay (or drift-only measurement) context for a training micro-batch, or None."""
+        indices = inputs.get(ROUTING_KEY)
+        if indices is None:
+            if self.mode == "sampler" or (self.mode == "old" and self.old_pass_runs):
+                raise RuntimeError(
+                    f"routing_replay={self.mode!r}: this training micro-batch carries no routing recorded in "
+                    f"{'sampling' if self.mode == 'sampler' else 'TRL' + chr(39) + 's old-policy pass'}, so it would "
+                    "silently train on natural routing. Cause: its rollout batch was built without routing replay "
+                    f"(e.g. resumed from a checkpoint saved with another routing_replay), or by code that bypasses "
+                    "GSPOTrainer._generate_and_score_completions. Fix: resume from a checkpoint saved with "
+                    f"routing_replay={self.mode!r} (or start from a rollout boundary), or set routing_replay='none'."
+                )
+            return None
+        if tuple(indices.shape[:2]) != tuple(attention_mask.shape):
+            raise RuntimeError(
+                f"routing_replay: the micro-batch's routing recording covers {tuple(indices.shape[:2])} (batch, "
+                f"tokens) but its inputs are {tuple(attention_mask.shape)}, so the recorded experts cannot be matched "
+                "to its tokens. Cause: the batch was padded, truncated or re-split after the old-policy pass. Fix: "
+                "keep `routing_indices` split with the batch it was recorded on, or set routing_replay='none'."
+            )
+        if self.mode == "sampler":  # slots the sampler never routed (last token, padding) keep natural routing
+            force = has_route(indices.cpu()).to(attention_mask.device) & attention_mask.bool()
+            return self.replay.replay(indices, mask=force, stats_mask=force)
+        force = None if self.mode == "old" else torch.zeros_like(attention_mask, dtype=torch.bool)
+        return self.replay.replay(indices, mask=force, stats_mask=attention_mask)
+
+    def drift_counts(self) -> torch.Tensor:
+        """`[layers, 3]` (drifted, overridden, counted) token counts of the last replay; add over ranks first."""
+        return self.replay.token_counts
+
+
+def routing_metrics(counts: torch.Tensor, mode: str) -> dict[str, float]:
+    """The `routing/*` metrics from `[layers, 3]` counts summed over ranks (docs/metrics.md)."""
+    drift, overridden_fraction = drift_statistics(counts.cpu())
+    metrics = {"routing/drift_mean": drift.mean().item(), "routing/drift_max": drift.max().item()}
+    if mode != "none":
+        metrics["routing/replayed_token_fraction"] = overridden_fraction
+    return metrics
+
