@@ -1,6 +1,5 @@
 """The benchmark scripts run end to end at a tiny size and print their figure last (they are not timed here)."""
 
-import os
 import re
 import subprocess
 import sys

@@ -10,7 +10,7 @@ import yaml
 from conftest import BASE_RECIPE as BASE
 from conftest import cpu_env, skip_without_math_verify
 
-from trl_gspo.cli import RecipeError, main, parse_recipe
+from trl_gspo.cli import main, parse_recipe
 
 ROOT = Path(__file__).resolve().parents[1]
 

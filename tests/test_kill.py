@@ -1,6 +1,5 @@
 """Stopping `trl-gspo` (SIGINT / SIGTERM) stops every process it launched, and nothing writes `output_dir` after."""
 
-import os
 import signal
 import subprocess
 import sys

@@ -4,7 +4,6 @@ an FSDP1 config with `fsdp_sync_module_states: true` (as TRL's fsdp1.yaml) fails
 is refused before launch on a machine without an accelerator, and again by every launched process that did not get
 FSDP."""
 
-import os
 import socket
 import subprocess
 import sys

@@ -2,7 +2,6 @@
 the loss, its clip range and routing replay, and its model settings train on the same architecture (a tiny
 GraniteMoe built from a config, offline; the real 3B checkpoint cannot be downloaded here)."""
 
-import os
 import subprocess
 import sys
 from pathlib import Path

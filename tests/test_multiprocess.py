@@ -2,7 +2,6 @@
 process."""
 
 import json
-import os
 import shutil
 import socket
 import subprocess

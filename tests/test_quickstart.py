@@ -1,7 +1,6 @@
 """The offline quickstart: its task and rewards, and the real `trl-gspo --config recipes/quickstart.yaml` run."""
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path

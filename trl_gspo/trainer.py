@@ -70,15 +70,14 @@ class GSPOTrainer(GRPOTrainer):
         check_model(model, args)  # trl_gspo/model_checks.py: unsupported architectures fail here, not mid-step
         if args.loss_type in GSPO_LOSS_TYPES:
             warn_about_setup(args)
-        r3_vllm = args.use_vllm and getattr(args, "routing_replay", "none") == "sampler"
-        with engine_returns_routes() if r3_vllm else contextlib.nullcontext():  # TRL's colocate engine
+        r3_vllm = args.use_vllm and getattr(args, "routing_replay", "none") == "sampler"  # TRL's colocate engine:
+        with engine_returns_routes() if r3_vllm else contextlib.nullcontext():  # built returning routed experts
             super().__init__(model, reward_funcs, args, *positional, **kwargs)
         base = self.accelerator.unwrap_model(self.model)
         base = base.get_base_model() if hasattr(base, "get_base_model") else base
         self._routing = TrainerRouting.build(base, self.args, runs_old_policy_pass(self.args),
                                              rewrites_completions=bool(self.tools or self.rollout_func))
-        self._replay_stack = None  # open while a training micro-batch runs forward and backward
-        self._replay_opened = False
+        self._replay_stack, self._replay_opened = None, False  # open while a micro-batch runs forward and backward
 
     # ------------------------------------------------------------------ MoE routing (trl_gspo/trainer_routing.py)
     def _generate_and_score_completions(self, inputs):
@@ -262,26 +261,21 @@ class GSPOTrainer(GRPOTrainer):
         return loss
 
     def _update_entropy_controller(self, entropies, mask):
-        """TRL's adaptive entropy controller state (`entropy_coef`, `_last_world_entropy`, saved with checkpoints by
-        TRL): entropy sums over an accumulation window, then at the optimizer step the mean over all ranks' tokens
-        moves the coefficient for the next step (`losses.adaptive_entropy_coef`)."""
+        """TRL's adaptive entropy controller state (saved with checkpoints by TRL): window sums, then at the optimizer
+        step the mean over all ranks' tokens moves the coefficient (`losses.adaptive_entropy_coef`)."""
         self._entropy_window_stats = entropy_window_stats(self._entropy_window_stats, entropies, mask)
         if not self.accelerator.sync_gradients:
             return
         totals = self.accelerator.reduce(self._entropy_window_stats, reduction="sum")
         entropy = (totals[0] / totals[1].clamp(min=1.0)).item()  # one sync per optimizer step
-        args = self.args
-        self.entropy_coef = adaptive_entropy_coef(self.entropy_coef, entropy, args.entropy_target,
-                                                  args.entropy_coef_delta, args.entropy_coef_min, args.entropy_coef_max)
+        a = self.args
+        self.entropy_coef = adaptive_entropy_coef(self.entropy_coef, entropy, a.entropy_target, a.entropy_coef_delta,
+                                                  a.entropy_coef_min, a.entropy_coef_max)
         self._last_world_entropy, self._entropy_window_stats = entropy, None
 
-    # ------------------------------------------------------------------ metrics (trl_gspo/metrics.py)
     def _log_gspo_metrics(self, mode, out, mask, entropies, policy_loss, per_token_kl, aux_loss, nonfinite):
-        """Logged through TRL's `_metrics`, so every `report_to` backend receives them. See docs/metrics.md.
-
-        Sums are reduced over ranks in one `reduce`, per-sequence values gathered in one `gather`, and everything is
-        read to the host in one transfer, together with the NaN/Inf counts of the loss inputs: the step waits for the
-        device once here. A non-finite input raises before backward, on every rank (the counts are summed)."""
+        """Into TRL's `_metrics` (trl_gspo/metrics.py): one reduce, one gather, one host read with the NaN/Inf counts of
+        the loss inputs, so a non-finite input raises before backward on every rank (the counts are summed)."""
         sums = gspo_metrics.metric_sums(out, mask, entropies, policy_loss, per_token_kl, aux_loss,
                                         with_delta=self.args.delta is not None)
         reduced = self.accelerator.reduce(torch.cat([nonfinite.float(), torch.stack(list(sums.values()))]),
