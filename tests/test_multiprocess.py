@@ -170,3 +170,12 @@ def test_two_process_resume_in_the_middle_of_a_rollout_batch_is_exact(tmp_path):
     assert resumed["loss"][1:] == full["loss"][1:]
     assert resumed["grad_norm"][1:] == full["grad_norm"][1:]
     assert resumed["checksum"] == full["checksum"]
+
+
+def test_rollout_routing_replay_under_zero3_matches_one_process(tmp_path):
+    """R3 (`routing_replay="sampler"`) with ZeRO-3: each rank records the routes of its own generation (parameters
+    gathered for generate) and replays them; two processes reproduce the one-process run."""
+    one = _launch(tmp_path / "one", ONE_PROCESS, "--routing-replay", "sampler")
+    two = _launch(tmp_path / "two", _two_processes("zero3"), "--routing-replay", "sampler")
+    assert max(one["replayed"]) > 0  # the off-policy iteration drifted and the sampler's routes were forced
+    _assert_same_run(two, one, "zero3")

@@ -1,0 +1,104 @@
+"""Rollout routing replay (R3, `routing_replay="sampler"`) inside GSPOTrainer, with TRL's own HF generation: the
+experts each token used while it was sampled are replayed in the old-policy pass and in every training pass."""
+
+import shutil
+
+import pytest
+import torch
+from conftest import digit_reward, tiny_config, toy_dataset
+
+import trl_gspo.routing.rollout as rollout
+from trl_gspo import GSPOTrainer
+from trl_gspo.quickstart.model import build_dense_model, build_model
+
+pytestmark = pytest.mark.slow
+
+
+def _trainer(tokenizer, output_dir, peft_config=None, model=None, **config):
+    config = {"steps_per_generation": 4, "max_steps": 4, "per_device_train_batch_size": 4, "learning_rate": 1e-2,
+              "routing_replay": "sampler", **config}
+    return GSPOTrainer(model or build_model(tokenizer), digit_reward, args=tiny_config(output_dir, **config),
+                       train_dataset=toy_dataset(), processing_class=tokenizer, peft_config=peft_config)
+
+
+def _logs(trainer):
+    return [h for h in trainer.state.log_history if "loss" in h]
+
+
+def _rounds(trainer):
+    return [h for h in trainer.state.log_history if "routing/sampler_agreement" in h]
+
+
+@pytest.mark.parametrize("loss_type", ["gspo", "gspo_token", "grpo"])
+def test_r3_trains_and_logs_the_sampler_comparison(loss_type, tmp_path, tokenizer):
+    """On CPU in float32, HF generate with a KV cache and one full forward route every token alike (measured,
+    ../shared DESIGN.md section 5), so the sampler agrees with the trainer's old-policy pass on every route and the
+    mismatch metrics sit at their no-mismatch values; after updates, replay forces the sampler's routes."""
+    trainer = _trainer(tokenizer, tmp_path, loss_type=loss_type)
+    trainer.train()
+    logs = _logs(trainer)
+    rounds = _rounds(trainer)  # the sampler comparison is logged once per generation round
+    assert len(logs) == 4 and len(rounds) == 1
+    assert all(h["routing/sampler_agreement"] == 1.0 for h in rounds)
+    assert all(abs(h["sampling/token_ratio_mean"] - 1) < 1e-4 and h["sampling/k3_kl"] < 1e-8 for h in rounds)
+    assert all(h["sampling/missing_logp_fraction"] == 0.0 for h in rounds)
+    assert max(h["routing/replayed_token_fraction"] for h in logs) > 0  # off-policy mini-batches drifted
+
+
+def test_r3_equals_r2_when_sampler_and_trainer_route_alike_and_differs_when_they_do_not(tmp_path, tokenizer,
+                                                                                      monkeypatch):
+    r2 = _trainer(tokenizer, tmp_path / "r2", loss_type="grpo", routing_replay="old")
+    r2.train()
+    r3 = _trainer(tokenizer, tmp_path / "r3", loss_type="grpo")
+    r3.train()
+    # equal up to float rounding: R3's old-policy pass recomputes the gate weights of the replayed experts
+    assert [h["loss"] for h in _logs(r3)] == pytest.approx([h["loss"] for h in _logs(r2)], rel=1e-4, abs=1e-6)
+
+    # A sampler that routed every prompt token elsewhere (expert e -> e + 1): R3 must replay those routes.
+    real = rollout.GenerationRecording.per_sample
+
+    def shifted(self, *args, **kwargs):
+        sampled = real(self, *args, **kwargs)
+        experts = self.replay.num_experts
+        sampled.prompt_routes = [(r.long() + 1).remainder(experts).to(r.dtype) for r in sampled.prompt_routes]
+        return sampled
+
+    monkeypatch.setattr(rollout.GenerationRecording, "per_sample", shifted)
+    moved = _trainer(tokenizer, tmp_path / "moved", loss_type="grpo")
+    moved.train()
+    assert max(h["routing/sampler_agreement"] for h in _rounds(moved)) < 0.9
+    assert any(abs(a["loss"] - b["loss"]) > 1e-6 for a, b in zip(_logs(moved), _logs(r2)))
+
+
+def test_r3_with_lora_on_the_experts(tmp_path, tokenizer):
+    from peft import LoraConfig
+
+    lora = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"],
+                      target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"])
+    trainer = _trainer(tokenizer, tmp_path, peft_config=lora, loss_type="gspo", learning_rate=5e-2)
+    trainer.train()
+    assert all(h["routing/sampler_agreement"] == 1.0 for h in _rounds(trainer))
+    assert max(h["routing/replayed_token_fraction"] for h in _logs(trainer)) > 0
+
+
+def test_r3_resume_in_the_middle_of_a_rollout_batch_is_exact(tmp_path, tokenizer):
+    """The sampler routes ride in the buffered rollout batch, so a resume mid-rollout replays the same routes."""
+    full = _trainer(tokenizer, tmp_path / "full", loss_type="grpo", save_strategy="steps", save_steps=1)
+    full.train()
+    resumed_dir = tmp_path / "resumed"
+    shutil.copytree(tmp_path / "full" / "checkpoint-2", resumed_dir / "checkpoint-2")
+    resumed = _trainer(tokenizer, resumed_dir, loss_type="grpo", save_strategy="steps", save_steps=1)
+    resumed.train(resume_from_checkpoint="latest")
+    for (name, a), b in zip(full.model.named_parameters(), resumed.model.parameters()):
+        assert torch.equal(a, b), name
+
+
+def test_r3_refusals_name_the_fix(tmp_path, tokenizer):
+    with pytest.raises(ValueError, match="`routing_replay`.*no MoE router"):
+        _trainer(tokenizer, tmp_path, model=build_dense_model(tokenizer))
+    with pytest.raises(ValueError, match="continuous batching.*Fix"):
+        tiny_config(tmp_path, routing_replay="sampler", use_transformers_continuous_batching=True)
+    with pytest.raises(ValueError, match="rollout_func change them.*Fix: set routing_replay='old'"):
+        GSPOTrainer(build_model(tokenizer), digit_reward, args=tiny_config(tmp_path, routing_replay="sampler"),
+                    train_dataset=toy_dataset(), processing_class=tokenizer,
+                    rollout_func=lambda prompts, trainer: {})
