@@ -22,7 +22,8 @@ import torch
 from transformers.utils import logging
 
 from .routing import RoutingReplay, RoutingReplayError, drift_statistics, find_routers, route_changes
-from .routing.rollout import SampledRoutes, has_route, pad_routes_like, record_generation, route_dtype
+from .routing.rollout import (SampledRoutes, has_route, pad_routes_like, record_generation, route_dtype,
+                              wrapping_method)
 from .sampling.vllm import capture_outputs, routes_from_vllm
 
 logger = logging.get_logger(__name__)
@@ -109,18 +110,17 @@ class TrainerRouting:
 
                 yield finish_vllm
             return
-        generating_model = target()
         captured = {}
-        original = generating_model.generate
 
-        def generate(*args, **kwargs):  # keeps generate's own output and the prompt mask it was given
-            output = original(*args, **kwargs)
-            captured["sequences"] = output if torch.is_tensor(output) else output.sequences
-            captured["prompt_mask"] = kwargs["attention_mask"]
-            return output
+        def capturing(original):
+            def generate(*args, **kwargs):  # keeps generate's own output and the prompt mask it was given
+                output = original(*args, **kwargs)
+                captured["sequences"] = output if torch.is_tensor(output) else output.sequences
+                captured["prompt_mask"] = kwargs["attention_mask"]
+                return output
+            return generate
 
-        generating_model.generate = generate
-        try:
+        with wrapping_method(target(), "generate", capturing):
             with record_generation(self.replay, self.temperature) as recording:
                 def finish(completion_lengths, logprobs):
                     if "sequences" not in captured:
@@ -132,8 +132,6 @@ class TrainerRouting:
                     return [logps.tolist() for logps in sampled.sampler_logps]
 
                 yield finish
-        finally:
-            del generating_model.generate  # the instance attribute: `generate` is the class's method again
 
     def _layout(self, prompt_width: int, completion_width: int, attention_mask=None) -> torch.Tensor:
         """The round's sampler routes laid out like TRL's padded `[prompt | completion]` batch."""

@@ -34,7 +34,7 @@ import torch
 from .replay import RoutingReplay, RoutingReplayError
 
 __all__ = ["GenerationRecording", "SampledRoutes", "has_route", "no_route", "pad_routes_like", "record_generation",
-           "route_dtype"]
+           "route_dtype", "wrapping_method"]
 
 
 def route_dtype(num_experts: int, top_k: int) -> torch.dtype:
@@ -278,3 +278,21 @@ def pad_routes_like(prompt_routes: Sequence[torch.Tensor], completion_routes: Se
         out[i, width_p - p:width_p] = prompt_routes[i].cpu()
         out[i, width_p:width_p + c] = completion_routes[i].cpu()
     return out
+
+
+@contextlib.contextmanager
+def wrapping_method(owner, name: str, wrap):
+    """While open, `owner.<name>` is `wrap(original)`; afterwards exactly what it was before, including an instance
+    attribute someone else had set (deleting ours would silently remove theirs)."""
+    own = vars(owner).get(name, _ABSENT) if hasattr(owner, "__dict__") else _ABSENT
+    setattr(owner, name, wrap(getattr(owner, name)))
+    try:
+        yield
+    finally:
+        if own is _ABSENT:
+            delattr(owner, name)
+        else:
+            setattr(owner, name, own)
+
+
+_ABSENT = object()

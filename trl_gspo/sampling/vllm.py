@@ -28,7 +28,7 @@ import importlib.metadata
 import torch
 from packaging.version import Version
 
-from ..routing.rollout import SampledRoutes, no_route
+from ..routing.rollout import SampledRoutes, no_route, wrapping_method
 
 VLLM_RANGE = (Version("0.22.0"), Version("0.31.0"))  # routed_experts exists throughout; TRL 1.16's vLLM range
 _FIX = "pip install 'vllm>=0.22.0,<=0.31.0'"
@@ -75,18 +75,16 @@ def engine_returns_routes():
 def capture_outputs(llm):
     """Keep the `RequestOutput`s of every `llm.generate` call made inside the block (TRL discards their routes)."""
     outputs = []
-    original = llm.generate
 
-    def generate(*args, **kwargs):
-        result = original(*args, **kwargs)
-        outputs.extend(result)
-        return result
+    def keeping(original):
+        def generate(*args, **kwargs):
+            result = original(*args, **kwargs)
+            outputs.extend(result)
+            return result
+        return generate
 
-    llm.generate = generate
-    try:
+    with wrapping_method(llm, "generate", keeping):
         yield outputs
-    finally:
-        del llm.generate  # the instance attribute: `generate` is the class's method again
 
 
 def routes_from_vllm(request_outputs, index_dtype: torch.dtype = torch.uint8) -> SampledRoutes:
