@@ -8,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from conftest import cpu_env
+
 PACKAGE = Path(__file__).resolve().parents[1] / "trl_gspo"
 
 
@@ -87,8 +89,8 @@ def test_importing_the_command_loads_no_training_code():
     modules nor TRL's GRPOTrainer."""
     code = ("import json, sys, trl_gspo.cli; print(json.dumps(sorted(m for m in sys.modules "
             "if m.startswith(('trl_gspo.', 'trl.trainer.grpo_trainer')))))")
-    loaded = json.loads(subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                                       check=True).stdout)
+    loaded = json.loads(subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                                       env=cpu_env()).stdout)
     assert "trl_gspo.cli" in loaded
     assert not set(loaded) & {"trl_gspo.train", "trl_gspo.trainer", "trl_gspo.losses",
                               "trl.trainer.grpo_trainer"}, loaded

@@ -51,7 +51,7 @@ def test_forwarded_signal_ends_the_whole_tree(signum):
     wrapper = subprocess.Popen([sys.executable, "-c",
                                 "import sys; from trl_gspo.launching import run_forwarding_signals; "
                                 f"sys.exit(run_forwarding_signals([sys.executable, '-c', {launched!r}], "
-                                "grace_seconds=2.0))"], cwd=ROOT)
+                                "grace_seconds=2.0))"], cwd=ROOT, env=cpu_env())
     tree = _tree(wrapper.pid, expected=4)  # the launched command and its three children
     time.sleep(1.0)  # let the escaper's setsid() happen and the wrapper see the whole tree
     wrapper.send_signal(signum)
