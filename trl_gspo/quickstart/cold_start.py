@@ -7,6 +7,7 @@ the group-relative advantages are not all zero.
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 from datasets import Dataset
@@ -95,15 +96,23 @@ def sft_cold_start(
 
 
 
-def _snapshot_accelerate_state() -> tuple[dict, dict]:
-    from accelerate.state import AcceleratorState, PartialState
+def _accelerate_singletons():
+    from accelerate.state import AcceleratorState, GradientState, PartialState
 
-    return dict(PartialState._shared_state), dict(AcceleratorState._shared_state)
+    return PartialState._shared_state, AcceleratorState._shared_state, GradientState._shared_state
 
 
-def _restore_accelerate_state(saved: tuple[dict, dict]) -> None:
-    from accelerate.state import AcceleratorState, PartialState
+def _snapshot_accelerate_state() -> tuple:
+    """accelerate's process-wide state (its three singletons) and the ACCELERATE_* environment variables."""
+    environment = {k: v for k, v in os.environ.items() if k.startswith("ACCELERATE_")}
+    return [dict(shared) for shared in _accelerate_singletons()], environment
 
-    for shared, values in zip((PartialState._shared_state, AcceleratorState._shared_state), saved):
+
+def _restore_accelerate_state(saved: tuple) -> None:
+    states, environment = saved
+    for shared, values in zip(_accelerate_singletons(), states):
         shared.clear()
         shared.update(values)
+    for key in [k for k in os.environ if k.startswith("ACCELERATE_") and k not in environment]:
+        del os.environ[key]
+    os.environ.update(environment)
