@@ -172,10 +172,16 @@ def test_two_process_resume_in_the_middle_of_a_rollout_batch_is_exact(tmp_path):
     assert resumed["checksum"] == full["checksum"]
 
 
-def test_rollout_routing_replay_under_zero3_matches_one_process(tmp_path):
-    """R3 (`routing_replay="sampler"`) with ZeRO-3: each rank records the routes of its own generation (parameters
-    gathered for generate) and replays them; two processes reproduce the one-process run."""
-    one = _launch(tmp_path / "one", ONE_PROCESS, "--routing-replay", "sampler")
-    two = _launch(tmp_path / "two", _two_processes("zero3"), "--routing-replay", "sampler")
+@pytest.fixture(scope="module")
+def single_process_r3(tmp_path_factory):
+    return _launch(tmp_path_factory.mktemp("r3one"), ONE_PROCESS, "--routing-replay", "sampler")
+
+
+@pytest.mark.parametrize("backend", ["zero2", "zero3"])
+def test_rollout_routing_replay_on_two_processes_matches_one(backend, single_process_r3, tmp_path):
+    """R3 (`routing_replay="sampler"`) under ZeRO-2/3: each rank records the routes of its own generation (under
+    ZeRO-3 with the parameters gathered for generate) and replays them; two processes reproduce one."""
+    one = single_process_r3
+    two = _launch(tmp_path, _two_processes(backend), "--routing-replay", "sampler")
     assert max(one["replayed"]) > 0  # the off-policy iteration drifted and the sampler's routes were forced
-    _assert_same_run(two, one, "zero3")
+    _assert_same_run(two, one, backend)
