@@ -206,10 +206,10 @@ def main() -> None:
         overrides, pretrain_steps, seeds, rollouts, prompts, group = (
             mm.MODELS[(32, 4)], 300, args.seeds, args.rollouts, 8, 8)
     started = time.perf_counter()
+    mm._setup.header("sampler_mismatch", "cpu", "bfloat16 sampler / float32 trainer",
+                     overrides["experts_implementation"])
     tokenizer = build_tokenizer()
     model = mm.pretrain(overrides, pretrain_steps, args.cache, print)
-    mm._setup.header("sampler_mismatch", "cpu", "bfloat16 sampler / float32 trainer",
-                     mm._setup.experts_kernel(model))
     print(f"{overrides['num_experts']} experts top-{overrides['num_experts_per_tok']}, "
           f"{overrides['num_hidden_layers']} layers; {seeds} seed(s), {prompts} prompts x {group} samples per rollout")
 

@@ -75,3 +75,20 @@ def test_moe_stress_quick_runs_three_arms_and_writes_raw_data(tmp_path):
     assert [r["arm"] for r in runs] == ["gspo", "grpo", "grpo_rr"]
     assert all(r["drift"] > 0 for r in runs)  # updates moved routes, and every arm measured it
     assert (tmp_path / "curves.png").stat().st_size > 10_000
+
+
+def test_sampler_mismatch_quick_reaches_full_agreement_with_r3(tmp_path):
+    lines = _run(BENCHMARKS / "sampler_mismatch.py", "--quick", "--cache", tmp_path / "cache")
+    match = re.fullmatch(r"sampler_route_agreement: plain (\d\.\d+) r2 (\d\.\d+) r3 (\d\.\d+)", lines[-1])
+    assert match, lines[-1]
+    plain, r2, r3 = map(float, match.groups())
+    assert r3 == 1.0 and plain < 1.0  # the bf16 sampler routed some tokens otherwise; R3 replays all of them
+    assert lines[0].startswith("# sampler_mismatch: device cpu") and "experts kernel" in lines[0]
+
+
+def test_every_benchmark_prints_its_conditions_first():
+    """A figure copied from a benchmark's output carries its device, dtype, experts kernel, versions and commit."""
+    for script in sorted(BENCHMARKS.glob("*.py")) + [BENCHMARKS / "reproduce" / "run.py"]:
+        if script.name.startswith("_"):
+            continue
+        assert "header(" in script.read_text(), f"{script.name} prints no _setup.header line"
