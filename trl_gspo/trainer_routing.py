@@ -163,10 +163,12 @@ class TrainerRouting:
             force = has_route(routes) & attention_mask.bool().cpu()
             with self._natural.record() as natural, self.replay.replay(routes, mask=force, stats_mask=force):
                 result = call()
-            self._round_counts = self.replay.token_counts
-            # completion token t is scored by position prompt_width - 1 + t: its route decides the token's log-prob
-            changed = route_changes(natural.indices.cpu(), routes) & force
-            self._round_changed = changed[:, prompt_width - 1:-1]
+            if self._round_counts is None:  # the round's first policy pass: TRL's old-policy pass (a PEFT reference
+                # pass with adapters off also replays the sampler's routes, but does not count here)
+                self._round_counts = self.replay.token_counts
+                # completion token t is scored by position prompt_width - 1 + t: its route decides its log-prob
+                changed = route_changes(natural.indices.cpu(), routes) & force
+                self._round_changed = changed[:, prompt_width - 1:-1]
             return result
         if self._recordings is None:
             return call()
