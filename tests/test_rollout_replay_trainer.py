@@ -102,3 +102,14 @@ def test_r3_refusals_name_the_fix(tmp_path, tokenizer):
         GSPOTrainer(build_model(tokenizer), digit_reward, args=tiny_config(tmp_path, routing_replay="sampler"),
                     train_dataset=toy_dataset(), processing_class=tokenizer,
                     rollout_func=lambda prompts, trainer: {})
+
+
+def test_r3_replays_on_policy_too(tmp_path, tokenizer):
+    """Fully on-policy (no old-policy pass), R3 still has something to do: the training pass scores the sampler's
+    experts. The routes are laid out from the batch itself; no sampler comparison is logged (no trainer pass to
+    compare before training)."""
+    trainer = _trainer(tokenizer, tmp_path, loss_type="grpo", steps_per_generation=1, max_steps=2)
+    trainer.train()
+    logs = _logs(trainer)
+    assert len(logs) == 2 and all("routing/replayed_token_fraction" in h for h in logs)
+    assert _rounds(trainer) == []
