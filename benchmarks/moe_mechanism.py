@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-import hashlib
 import json
 import math
 import random
@@ -43,20 +42,10 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-import _setup  # noqa: E402  (the header line)
+import _setup  # noqa: E402  (the MoE task, the pretrained models, the header line)
 
-GRPO_LOW, GRPO_HIGH = 0.2, 0.27  # the paper's tuned GRPO clip range: r_t in [0.8, 1.27]
-GSPO_LOW, GSPO_HIGH = 3e-4, 4e-4  # GSPO's clip range on s_i
-N_SUMS = 3  # sums per prompt: completions are ~10 tokens ("46 72 89<eos>")
-
-MODELS = {  # (experts, top-k) -> overrides of trl_gspo/quickstart/tiny_qwen3_moe.json
-    (e, k): dict(hidden_size=128, intermediate_size=256, moe_intermediate_size=32, num_hidden_layers=4,
-                 num_attention_heads=4, num_key_value_heads=2, head_dim=32, num_experts=e, num_experts_per_tok=k,
-                 router_aux_loss_coef=0.0, experts_implementation="grouped_mm")
-    for e, k in ((8, 2), (32, 4), (64, 8))
-}
-QUICK_MODEL = dict(MODELS[(8, 2)], num_hidden_layers=2, hidden_size=64, head_dim=16)
-
+from _setup import (GRPO_HIGH, GRPO_LOW, GSPO_HIGH, GSPO_LOW, MODELS, N_SUMS, QUICK_MODEL,  # noqa: E402,F401
+                    _positions, make_problem, pretrain, reward, rollout, token_logps)
 
 @dataclass(frozen=True)
 class Setting:
@@ -72,94 +61,6 @@ class Setting:
 # The headline setting first; then the drift sweep.
 FULL_SWEEP = [Setting(64, 8, 3e-4), Setting(64, 8, 1e-4), Setting(64, 8, 1e-3),
               Setting(32, 4, 1e-4), Setting(32, 4, 3e-4), Setting(32, 4, 1e-3), Setting(8, 2, 3e-4)]
-
-
-# ---------------------------------------------------------------------------------------------------- the task
-def make_problem(rng: random.Random) -> tuple[str, str]:
-    pairs = [(rng.randint(0, 99), rng.randint(0, 99)) for _ in range(N_SUMS)]
-    return " ".join(f"{a}+{b}" for a, b in pairs) + "=", " ".join(str(a + b) for a, b in pairs)
-
-
-def reward(completion: str, answer: str) -> float:
-    """Partial credit: per sum, the fraction of its digits right (position by position), averaged over the sums."""
-    got, want = completion.split(), answer.split()
-    got += [""] * (len(want) - len(got))
-    return sum(sum(a == b for a, b in zip(g, w)) / max(len(g), len(w)) for g, w in zip(got, want)) / len(want)
-
-
-def _positions(mask: torch.Tensor) -> torch.Tensor:
-    # Explicit position ids from the attention mask, so that extra left padding changes only the numerics.
-    return (mask.long().cumsum(-1) - 1).clamp(min=0)
-
-
-def pretrain(overrides: dict, steps: int, cache: Path, log) -> torch.nn.Module:
-    """Language-model training on addition strings, so the experts specialise. Cached by config."""
-    from transformers import AutoModelForCausalLM
-
-    from trl_gspo.quickstart.model import build_model
-    from trl_gspo.quickstart.tokenizer import EOS_TOKEN, build_tokenizer
-
-    key = hashlib.sha256(json.dumps([overrides, steps, N_SUMS, "v1"], sort_keys=True).encode()).hexdigest()[:12]
-    folder = cache / key
-    if (folder / "done").exists():
-        return AutoModelForCausalLM.from_pretrained(folder, experts_implementation=overrides["experts_implementation"])
-    tokenizer = build_tokenizer()
-    torch.manual_seed(0)
-    model = build_model(tokenizer, config_overrides=overrides, seed=0)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.0)
-    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / 20))
-    rng = random.Random(0)
-    started = time.perf_counter()
-    loss = torch.tensor(float("nan"))  # steps=0: the untrained control
-    for step in range(steps):
-        texts = [p + a + EOS_TOKEN for p, a in (make_problem(rng) for _ in range(64))]
-        batch = tokenizer(texts, return_tensors="pt", padding=True)
-        labels = batch["input_ids"].masked_fill(batch["attention_mask"] == 0, -100)
-        loss = model(**batch, position_ids=_positions(batch["attention_mask"]), labels=labels).loss
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        optimizer.step()
-        schedule.step()
-        optimizer.zero_grad()
-    log(f"pretrained {overrides['num_experts']} experts top-{overrides['num_experts_per_tok']}: {steps} steps, "
-        f"final LM loss {loss.item():.3f}, {time.perf_counter() - started:.0f}s (cached in {folder})")
-    model.save_pretrained(folder)
-    (folder / "done").write_text("")
-    return model
-
-
-# ---------------------------------------------------------------------------------------------------- RL pieces
-@torch.no_grad()
-def rollout(model, tokenizer, rng: random.Random, prompts: int, group: int, max_new: int = 14) -> dict:
-    problems = [make_problem(rng) for _ in range(prompts)]
-    texts = [p for p, _ in problems for _ in range(group)]
-    answers = [a for _, a in problems for _ in range(group)]
-    enc = tokenizer(texts, return_tensors="pt", padding=True)
-    model.eval()
-    out = model.generate(**enc, do_sample=True, temperature=1.0, top_k=0, top_p=1.0, max_new_tokens=max_new,
-                         pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id)
-    prompt_len = enc["input_ids"].shape[1]
-    completion = out[:, prompt_len:]
-    is_eos = completion == tokenizer.eos_token_id
-    # completion tokens up to and including the first <eos>
-    completion_mask = (is_eos.long().cumsum(-1) - is_eos.long()) == 0
-    completion = completion.masked_fill(~completion_mask, tokenizer.pad_token_id)
-    rewards = torch.tensor([reward(tokenizer.decode(c[m], skip_special_tokens=True), a)
-                            for c, m, a in zip(completion, completion_mask, answers)])
-    grouped = rewards.view(prompts, group)
-    advantages = ((grouped - grouped.mean(1, keepdim=True)) / (grouped.std(1, keepdim=True) + 1e-4)).view(-1)
-    attention_mask = torch.cat([enc["attention_mask"], completion_mask.long()], dim=1)
-    return dict(input_ids=torch.cat([enc["input_ids"], completion], dim=1), attention_mask=attention_mask,
-                completion_mask=completion_mask, prompt_len=prompt_len, rewards=rewards, advantages=advantages)
-
-
-def token_logps(model, batch: dict, rows=slice(None)) -> torch.Tensor:
-    """log pi(y_t) of every completion token, [rows, completion_len] (padding positions hold garbage)."""
-    ids, mask = batch["input_ids"][rows], batch["attention_mask"][rows]
-    logits = model(input_ids=ids, attention_mask=mask, position_ids=_positions(mask)).logits
-    start = batch["prompt_len"]
-    scoring = logits[:, start - 1:-1].float().log_softmax(-1)  # position t-1 scores token t
-    return scoring.gather(-1, ids[:, start:, None]).squeeze(-1)
 
 
 def scoring_routes(indices: torch.Tensor, prompt_len: int) -> torch.Tensor:

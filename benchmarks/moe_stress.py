@@ -30,7 +30,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
 import random
 import statistics
 import sys
@@ -40,7 +39,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-import moe_mechanism as mm  # noqa: E402  (the task, the pretrained models and the scoring)
+import _setup  # noqa: E402  (the MoE task, the pretrained models, the scoring, the header)
 from reproduce.run import _run_jobs  # noqa: E402  (one worker process per run, `--jobs` at a time)
 
 ARMS = ("gspo", "grpo", "grpo_rr")
@@ -69,8 +68,8 @@ def _loss(arm: str, logps, old_logps, advantages, mask):
         return out.per_sequence_loss.mean(), float(clipped)
     ratio = (logps - old_logps).exp()
     a = advantages[:, None]
-    objective = torch.minimum(ratio * a, ratio.clamp(1 - mm.GRPO_LOW, 1 + mm.GRPO_HIGH) * a)
-    clipped = ((a > 0) & (ratio > 1 + mm.GRPO_HIGH)) | ((a < 0) & (ratio < 1 - mm.GRPO_LOW))
+    objective = torch.minimum(ratio * a, ratio.clamp(1 - _setup.GRPO_LOW, 1 + _setup.GRPO_HIGH) * a)
+    clipped = ((a > 0) & (ratio > 1 + _setup.GRPO_HIGH)) | ((a < 0) & (ratio < 1 - _setup.GRPO_LOW))
     return -(objective * mask).sum() / mask.sum(), float((clipped & mask.bool()).float().sum() / mask.sum())
 
 
@@ -80,8 +79,8 @@ def run(config: dict, arm: str, seed: int, cache: Path) -> dict:
 
     torch.set_num_threads(1)
     tokenizer = build_tokenizer()
-    overrides = mm.QUICK_MODEL if config.get("quick") else mm.MODELS[(config["experts"], config["top_k"])]
-    model = mm.pretrain(overrides, 20 if config.get("quick") else 300, cache, print)
+    overrides = _setup.QUICK_MODEL if config.get("quick") else _setup.MODELS[(config["experts"], config["top_k"])]
+    model = _setup.pretrain(overrides, 20 if config.get("quick") else 300, cache, print)
     rr = RoutingReplay(model)
     optimizer = torch.optim.Adam(model.parameters(), lr=config["lr"])
     rng = random.Random(seed)
@@ -89,10 +88,10 @@ def run(config: dict, arm: str, seed: int, cache: Path) -> dict:
     history = []
     started = time.perf_counter()
     for _ in range(config["rollouts"]):
-        batch = mm.rollout(model, tokenizer, rng, config["prompts"], config["group"])
+        batch = _setup.rollout(model, tokenizer, rng, config["prompts"], config["group"])
         model.eval()
         with torch.no_grad(), rr.record() as old:
-            old_logps = mm.token_logps(model, batch)
+            old_logps = _setup.token_logps(model, batch)
         rows_per_mb = batch["input_ids"].shape[0] // config["minibatches"]
         entry = dict(reward=float(batch["rewards"].mean()), drift=[], clipped=[], grad_norm=[], non_finite=0)
         model.train()
@@ -103,7 +102,7 @@ def run(config: dict, arm: str, seed: int, cache: Path) -> dict:
                 # the attention mask counts prompt and completion tokens; all-False `mask` = measure drift only
                 force = None if arm == "grpo_rr" else torch.zeros_like(batch["attention_mask"][rows], dtype=torch.bool)
                 with rr.replay(old.indices[rows], mask=force, stats_mask=batch["attention_mask"][rows]):
-                    logps = mm.token_logps(model, batch, rows)
+                    logps = _setup.token_logps(model, batch, rows)
                     loss, clipped = _loss(arm, logps, old_logps[rows], batch["advantages"][rows], mask)
                     loss.backward()
                 norm = torch.nn.utils.clip_grad_norm_(model.parameters(),
@@ -230,11 +229,11 @@ def main() -> None:
         return
 
     started = time.perf_counter()
-    mm._setup.header("moe_stress", "cpu", torch.float32, "grouped_mm")
+    _setup.header("moe_stress", "cpu", torch.float32, "grouped_mm")
     cli.out.mkdir(parents=True, exist_ok=True)
     for config in configs.values():  # pretrain (or load) once, before the workers start
-        overrides = mm.QUICK_MODEL if config.get("quick") else mm.MODELS[(config["experts"], config["top_k"])]
-        mm.pretrain(overrides, 20 if config.get("quick") else 300, cli.cache, print)
+        overrides = _setup.QUICK_MODEL if config.get("quick") else _setup.MODELS[(config["experts"], config["top_k"])]
+        _setup.pretrain(overrides, 20 if config.get("quick") else 300, cli.cache, print)
     me = [sys.executable, __file__, "--out", str(cli.out), "--cache", str(cli.cache)]
     me += ["--quick"] if cli.quick else ["--search"] if cli.search else []
     jobs = [(n, a, s) for n in configs for s in seeds for a in ARMS]

@@ -33,10 +33,10 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-import moe_mechanism as mm  # noqa: E402  (the task, the pretrained models, scoring)
+import _setup  # noqa: E402  (the MoE task, the pretrained models, scoring, the header)
 from moe_stress import _loss  # noqa: E402  (the grpo / gspo mini-batch losses)
 
-GSPO_LOW, GSPO_HIGH = mm.GSPO_LOW, mm.GSPO_HIGH
+GSPO_LOW, GSPO_HIGH = _setup.GSPO_LOW, _setup.GSPO_HIGH
 
 
 def sample(sampler, sampler_routing, tokenizer, rng, prompts: int, group: int) -> dict:
@@ -45,7 +45,7 @@ def sample(sampler, sampler_routing, tokenizer, rng, prompts: int, group: int) -
     from trl_gspo.routing.rollout import pad_routes_like, record_generation
 
     with record_generation(sampler_routing, temperature=1.0) as recording:
-        batch = mm.rollout(sampler, tokenizer, rng, prompts, group)
+        batch = _setup.rollout(sampler, tokenizer, rng, prompts, group)
     start = batch["prompt_len"]
     prompt_mask = batch["attention_mask"][:, :start]
     completion_mask = batch["completion_mask"]
@@ -68,10 +68,10 @@ def used_routes(model, batch, rows, replay_indices=None, replay_mask=None):
     with torch.no_grad():
         if replay_indices is None:
             with recorder.record() as rec:
-                logps = mm.token_logps(model, batch, rows)
+                logps = _setup.token_logps(model, batch, rows)
         else:
             with forcing.replay(replay_indices, mask=replay_mask), recorder.record() as rec:
-                logps = mm.token_logps(model, batch, rows)
+                logps = _setup.token_logps(model, batch, rows)
     return logps, rec.indices
 
 
@@ -127,7 +127,7 @@ def routing_table(model, tokenizer, rollouts: int, prompts: int, group: int, lr:
                 for k, v in enumerate((same, pairs, abs_log_r, float(mask.sum()), outside, sequences)):
                     totals[arm, phase][k] += v
             trainer.train()
-            loss, _ = _loss("grpo", mm.token_logps(trainer, batch, rows), old_logps[rows], batch["advantages"][rows],
+            loss, _ = _loss("grpo", _setup.token_logps(trainer, batch, rows), old_logps[rows], batch["advantages"][rows],
                             mask.float())
             loss.backward()
             torch.nn.utils.clip_grad_norm_(trainer.parameters(), 1.0)
@@ -164,11 +164,11 @@ def train(model, tokenizer, loss: str, replay: str, rollouts: int, prompts: int,
         with torch.no_grad():
             if replay == "r3":
                 with routing.replay(batch["sampler_routes"], mask=routable):
-                    old_logps = mm.token_logps(trainer, batch)
+                    old_logps = _setup.token_logps(trainer, batch)
                 replayed = batch["sampler_routes"]
             else:
                 with routing.record() as old:
-                    old_logps = mm.token_logps(trainer, batch)
+                    old_logps = _setup.token_logps(trainer, batch)
                 replayed, routable = old.indices, None
         mask = batch["completion_mask"]
         abs_log_r.append(float((old_logps - batch["sampler_logps"]).abs()[mask].mean()))
@@ -178,7 +178,7 @@ def train(model, tokenizer, loss: str, replay: str, rollouts: int, prompts: int,
             rows = slice(j * rows_per_mb, (j + 1) * rows_per_mb)
             force = None if routable is None else routable[rows]
             with routing.replay(replayed[rows], mask=force):
-                out, _ = _loss(loss, mm.token_logps(trainer, batch, rows), old_logps[rows], batch["advantages"][rows],
+                out, _ = _loss(loss, _setup.token_logps(trainer, batch, rows), old_logps[rows], batch["advantages"][rows],
                                mask[rows].float())
                 out.backward()
             torch.nn.utils.clip_grad_norm_(trainer.parameters(), 1.0)
@@ -201,15 +201,15 @@ def main() -> None:
     from trl_gspo.quickstart.tokenizer import build_tokenizer
 
     if args.quick:
-        overrides, pretrain_steps, seeds, rollouts, prompts, group = mm.QUICK_MODEL, 20, 1, 2, 4, 4
+        overrides, pretrain_steps, seeds, rollouts, prompts, group = _setup.QUICK_MODEL, 20, 1, 2, 4, 4
     else:
         overrides, pretrain_steps, seeds, rollouts, prompts, group = (
-            mm.MODELS[(32, 4)], 300, args.seeds, args.rollouts, 8, 8)
+            _setup.MODELS[(32, 4)], 300, args.seeds, args.rollouts, 8, 8)
     started = time.perf_counter()
-    mm._setup.header("sampler_mismatch", "cpu", "bfloat16 sampler / float32 trainer",
+    _setup.header("sampler_mismatch", "cpu", "bfloat16 sampler / float32 trainer",
                      overrides["experts_implementation"])
     tokenizer = build_tokenizer()
-    model = mm.pretrain(overrides, pretrain_steps, args.cache, print)
+    model = _setup.pretrain(overrides, pretrain_steps, args.cache, print)
     print(f"{overrides['num_experts']} experts top-{overrides['num_experts_per_tok']}, "
           f"{overrides['num_hidden_layers']} layers; {seeds} seed(s), {prompts} prompts x {group} samples per rollout")
 
