@@ -199,8 +199,9 @@ def _positions(mask: torch.Tensor) -> torch.Tensor:
     return (mask.long().cumsum(-1) - 1).clamp(min=0)
 
 
-def pretrain(overrides: dict, steps: int, cache: Path, log) -> torch.nn.Module:
-    """Language-model training on addition strings, so the experts specialise. Cached by config."""
+def pretrain(overrides: dict, steps: int, cache: Path, log, device: str = "cpu") -> torch.nn.Module:
+    """Language-model training on addition strings, so the experts specialise. Cached by config (not by device:
+    the weights are the same computation's, trained in float32 wherever it ran)."""
     from transformers import AutoModelForCausalLM
 
     from trl_gspo.quickstart.model import build_model
@@ -209,10 +210,11 @@ def pretrain(overrides: dict, steps: int, cache: Path, log) -> torch.nn.Module:
     key = hashlib.sha256(json.dumps([overrides, steps, N_SUMS, "v1"], sort_keys=True).encode()).hexdigest()[:12]
     folder = cache / key
     if (folder / "done").exists():
-        return AutoModelForCausalLM.from_pretrained(folder, experts_implementation=overrides["experts_implementation"])
+        return AutoModelForCausalLM.from_pretrained(folder, experts_implementation=overrides["experts_implementation"]
+                                                    ).to(device)
     tokenizer = build_tokenizer()
     torch.manual_seed(0)
-    model = build_model(tokenizer, config_overrides=overrides, seed=0)
+    model = build_model(tokenizer, config_overrides=overrides, seed=0).to(device)
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.0)
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / 20))
     rng = random.Random(0)
@@ -220,7 +222,7 @@ def pretrain(overrides: dict, steps: int, cache: Path, log) -> torch.nn.Module:
     loss = torch.tensor(float("nan"))  # steps=0: the untrained control
     for step in range(steps):
         texts = [p + a + EOS_TOKEN for p, a in (make_problem(rng) for _ in range(64))]
-        batch = tokenizer(texts, return_tensors="pt", padding=True)
+        batch = tokenizer(texts, return_tensors="pt", padding=True).to(device)
         labels = batch["input_ids"].masked_fill(batch["attention_mask"] == 0, -100)
         loss = model(**batch, position_ids=_positions(batch["attention_mask"]), labels=labels).loss
         loss.backward()
@@ -241,7 +243,7 @@ def rollout(model, tokenizer, rng: random.Random, prompts: int, group: int, max_
     problems = [make_problem(rng) for _ in range(prompts)]
     texts = [p for p, _ in problems for _ in range(group)]
     answers = [a for _, a in problems for _ in range(group)]
-    enc = tokenizer(texts, return_tensors="pt", padding=True)
+    enc = tokenizer(texts, return_tensors="pt", padding=True).to(model.device)
     model.eval()
     out = model.generate(**enc, do_sample=True, temperature=1.0, top_k=0, top_p=1.0, max_new_tokens=max_new,
                          pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id)
@@ -252,7 +254,7 @@ def rollout(model, tokenizer, rng: random.Random, prompts: int, group: int, max_
     completion_mask = (is_eos.long().cumsum(-1) - is_eos.long()) == 0
     completion = completion.masked_fill(~completion_mask, tokenizer.pad_token_id)
     rewards = torch.tensor([reward(tokenizer.decode(c[m], skip_special_tokens=True), a)
-                            for c, m, a in zip(completion, completion_mask, answers)])
+                            for c, m, a in zip(completion.cpu(), completion_mask.cpu(), answers)], device=model.device)
     grouped = rewards.view(prompts, group)
     advantages = ((grouped - grouped.mean(1, keepdim=True)) / (grouped.std(1, keepdim=True) + 1e-4)).view(-1)
     attention_mask = torch.cat([enc["attention_mask"], completion_mask.long()], dim=1)

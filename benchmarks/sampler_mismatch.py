@@ -15,6 +15,7 @@ whose experts specialised (pretrained on addition strings, as in benchmarks/moe_
 
     python benchmarks/sampler_mismatch.py            # 32 experts top-4, 3 seeds (minutes; the first run pretrains)
     python benchmarks/sampler_mismatch.py --quick    # a tiny model, one seed: well under 300 s
+    python benchmarks/sampler_mismatch.py --size gpu --device cuda   # Qwen3-30B-A3B layer widths (not run yet)
 
 Last line, exactly: `sampler_route_agreement: plain <p> r2 <q> r3 <r>`.
 """
@@ -37,6 +38,9 @@ import _setup  # noqa: E402  (the MoE task, the pretrained models, scoring, the 
 from moe_stress import _loss  # noqa: E402  (the grpo / gspo mini-batch losses)
 
 GSPO_LOW, GSPO_HIGH = _setup.GSPO_LOW, _setup.GSPO_HIGH
+# --size gpu: Qwen3-30B-A3B layer widths (as benchmarks/_setup.py SIZES["gpu"]), 4 layers, trained like the others.
+GPU_MODEL = dict(_setup.MODELS[(64, 8)], hidden_size=2048, moe_intermediate_size=768, intermediate_size=6144,
+                 num_experts=128, num_experts_per_tok=8, num_attention_heads=32, num_key_value_heads=4, head_dim=128)
 
 
 def sample(sampler, sampler_routing, tokenizer, rng, prompts: int, group: int) -> dict:
@@ -55,7 +59,7 @@ def sample(sampler, sampler_routing, tokenizer, rng, prompts: int, group: int) -
     logps = torch.full(completion_mask.shape, float("nan"))
     for i, row in enumerate(sampled.sampler_logps):
         logps[i, :len(row)] = row
-    batch["sampler_logps"] = logps
+    batch["sampler_logps"] = logps.to(completion_mask.device)
     return batch
 
 
@@ -79,7 +83,7 @@ def agreement(routes, sampler_routes, counted) -> tuple[float, float]:
     """(route sets equal, (token, layer) pairs counted) over the tokens in `counted`."""
     from trl_gspo.routing import route_changes
 
-    same = ~route_changes(routes, sampler_routes.to(routes.dtype), per_layer=True)
+    same = ~route_changes(routes.cpu(), sampler_routes.to(routes.dtype), per_layer=True)
     weight = counted[..., None].expand_as(same)
     return float(same[weight].sum()), float(weight.sum())
 
@@ -115,7 +119,7 @@ def routing_table(model, tokenizer, rollouts: int, prompts: int, group: int, lr:
         for j in range(4):
             rows = slice(j * rows_per_mb, (j + 1) * rows_per_mb)
             sampler_routes = batch["sampler_routes"][rows]
-            counted = has_route(sampler_routes) & batch["attention_mask"][rows].bool()
+            counted = has_route(sampler_routes) & batch["attention_mask"][rows].bool().cpu()
             mask = batch["completion_mask"][rows]
             for arm, indices, force in (("plain", None, None), ("r2", old_routes[rows], None),
                                         ("r3", sampler_routes, counted)):
@@ -159,7 +163,7 @@ def train(model, tokenizer, loss: str, replay: str, rollouts: int, prompts: int,
     for _ in range(rollouts):
         batch = sample(sampler, sampler_routing, tokenizer, rng, prompts, group)
         rewards.append(float(batch["rewards"].mean()))
-        routable = has_route(batch["sampler_routes"]) & batch["attention_mask"].bool()
+        routable = has_route(batch["sampler_routes"]) & batch["attention_mask"].bool().cpu()
         trainer.eval()
         with torch.no_grad():
             if replay == "r3":
@@ -196,6 +200,9 @@ def main() -> None:
     parser.add_argument("--rollouts", type=int, default=12, help="rollout batches per training run")
     parser.add_argument("--lr", type=float, default=1e-3)
     parser.add_argument("--cache", type=Path, default=Path("outputs/moe_mechanism/cache"))
+    parser.add_argument("--size", choices=["cpu", "gpu"], default="cpu",
+                        help="gpu: Qwen3-30B-A3B layer widths (hidden 2048, 128 experts top-8), 4 layers")
+    parser.add_argument("--device", default="cpu")
     args = parser.parse_args()
     torch.set_num_threads(1)
     from trl_gspo.quickstart.tokenizer import build_tokenizer
@@ -203,13 +210,13 @@ def main() -> None:
     if args.quick:
         overrides, pretrain_steps, seeds, rollouts, prompts, group = _setup.QUICK_MODEL, 20, 1, 2, 4, 4
     else:
-        overrides, pretrain_steps, seeds, rollouts, prompts, group = (
-            _setup.MODELS[(32, 4)], 300, args.seeds, args.rollouts, 8, 8)
+        overrides = _setup.MODELS[(32, 4)] if args.size == "cpu" else GPU_MODEL
+        pretrain_steps, seeds, rollouts, prompts, group = 300, args.seeds, args.rollouts, 8, 8
     started = time.perf_counter()
-    _setup.header("sampler_mismatch", "cpu", "bfloat16 sampler / float32 trainer",
-                     overrides["experts_implementation"])
+    _setup.header("sampler_mismatch", args.device, "bfloat16 sampler / float32 trainer",
+                  overrides["experts_implementation"])
     tokenizer = build_tokenizer()
-    model = _setup.pretrain(overrides, pretrain_steps, args.cache, print)
+    model = _setup.pretrain(overrides, pretrain_steps, args.cache, print, device=args.device)
     print(f"{overrides['num_experts']} experts top-{overrides['num_experts_per_tok']}, "
           f"{overrides['num_hidden_layers']} layers; {seeds} seed(s), {prompts} prompts x {group} samples per rollout")
 
