@@ -117,3 +117,19 @@ def test_fsdp2_on_two_cpu_processes_is_refused_by_each(tmp_path):
     assert result.stderr.count("trl-gspo: error: `accelerate_config`: FSDP needs a GPU") == 2
     assert "accelerate chose MULTI_CPU" in result.stderr
     assert not (tmp_path / "out").exists()
+
+
+def test_ddp_backend_is_launched_with_several_processes_and_refused_with_one(tmp_path, capsys, launched):
+    """`ddp_backend` is for the launched processes' group: the `trl-gspo` process itself must not set up a device with
+    it (accelerate fails there with "Default process group has not been initialized"), and a launch of one process
+    cannot use it either (measured: `accelerate launch --num_processes 1` fails the same way)."""
+    recipe = _recipe(tmp_path, extra="ddp_backend: gloo\n")
+    assert main(["--config", recipe, "--accelerate_config", str(ROOT / "recipes/accelerate/cpu_ddp.yaml")]) == 0
+    assert len(launched) == 1 and "--module" in launched[0]
+    assert recipe in launched[0]  # the launched processes read the recipe as written, ddp_backend included
+    _, training, *_ = parse_recipe(["--config", recipe], before_launch=True)
+    assert training.ddp_backend == "gloo"  # kept for the launch, only left out of the device set-up
+    assert main(["--config", recipe]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("trl-gspo: error: `ddp_backend: gloo`") and "Fix: remove ddp_backend" in err
+    assert len(launched) == 1 and not (tmp_path / "out").exists()

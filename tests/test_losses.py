@@ -612,7 +612,6 @@ def test_gspo_token_per_token_advantages_match_reference(eps_low, eps_high):
 
 
 def test_gspo_token_gradient_follows_token_advantages():
-    T = 5
     logps = _t([[-1.0, -2.0, -0.5, -3.0, -1.5], [-0.3, -0.7, -1.1, -2.2, -0.9]])
     mask = _t([[1, 1, 1, 1, 1], [1, 1, 1, 1, 0]]).long()
     # Row 0 inside the band; row 1 above the band (s > 1 + eps_high).

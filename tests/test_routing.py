@@ -2,7 +2,6 @@
 
 import pytest
 import torch
-import torch.nn.functional as F
 import transformers
 
 from trl_gspo.routing import RoutingReplay, RoutingReplayError, find_routers, route_changes

@@ -49,7 +49,8 @@ def main(argv: list[str] | None = None) -> int:
     note = ""
     try:
         try:
-            script_args, training_args, model_args, dataset_args, launch_args, cli_launch_tokens = parse_recipe(argv)
+            script_args, training_args, model_args, dataset_args, launch_args, cli_launch_tokens = parse_recipe(
+                argv, before_launch=True)
         except ValueError as err:
             # A GPU recipe (bf16) cannot build its TrainingArguments on a machine without a GPU; a dry run still
             # checks every key and value there, with the hardware check switched off.
@@ -60,7 +61,7 @@ def main(argv: list[str] | None = None) -> int:
                                   "to try the recipe on CPU add `--bf16 false --use_cpu true`; `--dry_run true` "
                                   "validates it here.") from None
             script_args, training_args, model_args, dataset_args, launch_args, cli_launch_tokens = parse_recipe(
-                argv + ["--use_cpu", "true", "--bf16", "false"]
+                argv + ["--use_cpu", "true", "--bf16", "false"], before_launch=True
             )
             note = "(no GPU here: validated with use_cpu=true, bf16=false; the recipe itself asks for bf16)\n"
         check_recipe(script_args, training_args, model_args, dataset_args, launch_args)

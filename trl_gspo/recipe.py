@@ -68,8 +68,21 @@ class GSPOScriptArguments(GRPOScriptArguments):
     )
 
 
-def make_parser(prog: str = "trl-gspo") -> TrlParser:
-    parser = TrlParser((GSPOScriptArguments, GSPOConfig, ModelConfig, DatasetMixtureConfig), prog=prog)
+class _BeforeLaunchGSPOConfig(GSPOConfig):
+    """`GSPOConfig` as the `trl-gspo` process builds it before launching: `ddp_backend` names the process group of
+    the launched processes, and TrainingArguments with it set in a process that is not one of them fails inside
+    accelerate ("Default process group has not been initialized"). So the device is set up without it and the
+    value is kept for the launch (`check_launch` refuses it where the launch starts one process)."""
+
+    def __post_init__(self):
+        backend, self.ddp_backend = self.ddp_backend, None
+        super().__post_init__()
+        self.ddp_backend = backend
+
+
+def make_parser(prog: str = "trl-gspo", before_launch: bool = False) -> TrlParser:
+    config_class = _BeforeLaunchGSPOConfig if before_launch else GSPOConfig
+    parser = TrlParser((GSPOScriptArguments, config_class, ModelConfig, DatasetMixtureConfig), prog=prog)
 
     def error(message: str):  # one line naming the key, instead of argparse's 200-line usage and exit
         raise RecipeError(f"{message}. Fix: give the key a value of its type (`trl-gspo --help` lists them); write "
@@ -101,14 +114,15 @@ def _stray_tokens(tokens: list[str], options: dict) -> list[str]:
     return stray
 
 
-def parse_recipe(argv: list[str]):
+def parse_recipe(argv: list[str], before_launch: bool = False):
     """Parse `argv` (with `--config file.yaml`) into dataclasses.
 
     Returns `(script_args, training_args, model_args, dataset_args, launch_args, cli_launch_tokens)`: `launch_args`
     are the `accelerate launch` options the recipe or command line named, `cli_launch_tokens` the subsequence of
     `argv` that holds the command line's own accelerate options. `script_args.explicit_keys` names the keys the
     recipe or command line set. `argv` may start with the recipe path instead of `--config PATH`. Raises
-    `RecipeError` for unknown keys, empty keys and YAML syntax errors.
+    `RecipeError` for unknown keys, empty keys and YAML syntax errors. `before_launch=True` is for the process that
+    launches the training processes (it is not one of them; see `_BeforeLaunchGSPOConfig`).
     """
     from trl.cli.accelerate_config import resolve_accelerate_config_argument
 
@@ -124,7 +138,7 @@ def parse_recipe(argv: list[str]):
             raise RecipeError(f"recipe file {path!r} does not exist. Fix: pass the path of a YAML recipe, "
                               "e.g. `--config recipes/quickstart.yaml`.")
         recipe_keys = list(_check_recipe_file(path))
-    parser = make_parser()
+    parser = make_parser(before_launch=before_launch)
     *dataclasses, config_remaining, cli_remaining = parser.parse_args_and_config(
         argv, return_remaining_strings=True, separate_remaining_strings=True
     )
@@ -304,6 +318,13 @@ def check_launch(script_args, training_args, launch_args: list[str], dry_run: bo
     """
     notes = []
     distributed_type = launcher_type(launch_args)
+    if training_args.ddp_backend and distributed_type != "DEEPSPEED" and launched_processes(launch_args) == 1:
+        raise RecipeError(
+            f"`ddp_backend: {training_args.ddp_backend}` sets the process group of a multi-process launch, and this "
+            "launch starts one process, where accelerate fails with \"Default process group has not been "
+            "initialized\". Fix: remove ddp_backend, or launch several processes (e.g. `accelerate_config: "
+            "recipes/accelerate/cpu_ddp.yaml` on CPU, `num_processes: 8` on a GPU node)."
+        )
     if distributed_type == "DEEPSPEED" and script_args.sft_steps > 0:
         raise RecipeError(SFT_UNDER_DEEPSPEED)
     if distributed_type == "FSDP":
