@@ -1,5 +1,7 @@
 """Routing replay on stock transformers MoE models, against an independent naive reference."""
 
+from contextlib import nullcontext
+
 import pytest
 import torch
 import transformers
@@ -527,3 +529,62 @@ def test_route_changes_agrees_with_replay_drift_on_a_model():
     changed = route_changes(before.indices, after.indices, per_layer=True)
     assert 0 < changed.float().mean() < 1
     torch.testing.assert_close(changed.float().mean((0, 1)), rr.drift, rtol=0, atol=1e-6)
+
+
+def test_token_counts_over_several_calls_match_an_independent_count():
+    """`token_counts` (drifted, overridden, counted per layer) of a block with two forward calls, a partial force
+    mask and fractional statistics weights, against a count made from two recordings with Python sets."""
+    model, ids, mask, rr, rec = _recorded_then_perturbed()
+    with torch.no_grad(), rr.record() as natural:
+        model(input_ids=ids, attention_mask=mask)
+    g = torch.Generator().manual_seed(3)
+    force = torch.rand(ids.shape, generator=g) < 0.5
+    weight = torch.rand(ids.shape, generator=g).round(decimals=2) * mask
+    with torch.no_grad(), rr.replay(rec.indices, mask=force, stats_mask=weight):
+        model(input_ids=ids[:2], attention_mask=mask[:2])  # rows are consumed in call order
+        model(input_ids=ids[2:], attention_mask=mask[2:])
+    batch, length, layers, _ = rec.indices.shape
+    expected = torch.zeros(layers, 3, dtype=torch.float64)
+    for b in range(batch):
+        for s in range(length):
+            for layer in range(layers):
+                differs = set(rec.indices[b, s, layer].tolist()) != set(natural.indices[b, s, layer].tolist())
+                w = float(weight[b, s])
+                expected[layer] += torch.tensor([w * differs, w * (differs and bool(force[b, s])), w],
+                                                dtype=torch.float64)
+    assert expected[:, 1].sum() > 0 and expected[:, 0].sum() > expected[:, 1].sum()  # both counts have content
+    torch.testing.assert_close(rr.token_counts, expected, rtol=1e-12, atol=1e-9)
+    torch.testing.assert_close(rr.drift, (expected[:, 0] / expected[:, 2]).float())
+    assert rr.overridden_fraction == pytest.approx(float(expected[:, 1].sum() / expected[:, 2].sum()))
+
+
+def test_replay_block_reads_nothing_to_the_host():
+    """A replayed forward and backward, with a force mask and statistics, never waits for the device: no
+    `.item()`/`bool()`/`.tolist()`/`.cpu()` inside the block or at its exit (each is a device sync on a GPU).
+    Counted on CPU with a dispatch mode, the same counter as benchmarks/loss_overhead.py."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    model, ids, mask, rr, rec = _recorded_then_perturbed()
+    reads = []
+
+    class HostReads(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func is torch.ops.aten._local_scalar_dense.default:
+                reads.append(func)
+            return func(*args, **(kwargs or {}))
+
+    force = torch.ones(ids.shape, dtype=torch.bool)
+    force[:, -1] = False
+    original_cpu = torch.Tensor.cpu
+    counts = {}
+    try:
+        torch.Tensor.cpu = lambda self, *a, **k: reads.append("cpu") or original_cpu(self, *a, **k)
+        for replayed in (False, True):
+            reads.clear()
+            with HostReads(), rr.replay(rec.indices, mask=force, stats_mask=mask) if replayed else nullcontext():
+                model(input_ids=ids, attention_mask=mask, labels=ids).loss.backward()
+            counts[replayed] = list(reads)
+    finally:
+        torch.Tensor.cpu = original_cpu
+    assert counts[True] == counts[False]  # the model's own reads (its experts loop, its loss), nothing added
+    assert rr.token_counts.shape == (len(rr.routers), 3) and float(rr.drift.max()) > 0  # reading them is the sync

@@ -83,6 +83,14 @@ def test_r2_keeps_the_recording_of_the_pass_that_made_old_logps(tokenizer):
         model(input_ids=ids, attention_mask=mask)
     assert set(routing_metrics(glue.drift_counts(), "old")) == {"routing/drift_mean", "routing/drift_max",
                                                                  "routing/replayed_token_fraction"}
+    # Kept on the device per micro-batch, read once when TRL logs: the same values, micro-batch by micro-batch.
+    first = glue.drift_counts()
+    glue.keep_drift_counts(first)
+    glue.keep_drift_counts(first * torch.tensor([0.0, 0.0, 1.0], dtype=first.dtype))  # a micro-batch with no drift
+    taken = glue.take_metrics()
+    assert taken == list(routing_metrics(first, "old").items()) + list(routing_metrics(
+        first * torch.tensor([0.0, 0.0, 1.0], dtype=first.dtype), "old").items())
+    assert dict(taken[3:])["routing/drift_max"] == 0.0 and glue.take_metrics() == []  # taken once
 
 
 def test_r3_lays_the_sampler_routes_over_the_batch_and_replays_them(tokenizer):

@@ -31,7 +31,7 @@ from .losses import (
 from .model_checks import check_model
 from .sampling.metrics import sampling_metrics
 from .sampling.vllm import engine_returns_routes
-from .trainer_routing import TrainerRouting, routing_metrics
+from .trainer_routing import TrainerRouting
 from .trl_options import apply_trl_options
 
 logger = logging.get_logger(__name__)  # transformers' logger: adds `warning_once`
@@ -129,10 +129,15 @@ class GSPOTrainer(GRPOTrainer):
             finally:
                 self._replay_stack = None
         if self._replay_opened:  # closed without error: its drift statistics are complete
-            counts = self.accelerator.reduce(self._routing.drift_counts().to(self.accelerator.device), reduction="sum")
-            for name, value in routing_metrics(counts, self._routing.mode).items():
-                self._metrics["train"][name].append(value)
+            counts = self._routing.drift_counts().to(self.accelerator.device)  # no copy: counted on the device
+            self._routing.keep_drift_counts(self.accelerator.reduce(counts, reduction="sum"))
         return loss
+
+    def log(self, logs, start_time=None):
+        if self._routing is not None and self.model.training:  # routing/*: one host read per logging step
+            for name, value in self._routing.take_metrics():
+                self._metrics["train"][name].append(value)
+        super().log(logs, start_time)
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         if self._replay_stack is not None and self.model.training:
@@ -208,12 +213,9 @@ class GSPOTrainer(GRPOTrainer):
         if "tool_mask" in inputs:  # tool outputs inside a completion are not the policy's tokens
             mask = mask * inputs["tool_mask"]
         logps, entropies, aux_loss = self._get_per_token_logps_and_entropies(
-            model,
-            torch.cat([prompt_ids, completion_ids], dim=1),
-            torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], dim=1),
-            completion_ids.size(1),
-            compute_entropy=True,
-            compute_aux_loss=self.aux_loss_enabled,
+            model, torch.cat([prompt_ids, completion_ids], dim=1),
+            torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], dim=1), completion_ids.size(1),
+            compute_entropy=True, compute_aux_loss=self.aux_loss_enabled,
             # Only keys the batch has: an argument a new TRL adds keeps its default instead of receiving None.
             **{key: inputs[key] for key in _FORWARD_BATCH_KEYS if key in inputs},
         )
@@ -222,12 +224,10 @@ class GSPOTrainer(GRPOTrainer):
         old_logps = logps.detach() if old_logps is None else old_logps
 
         if self.loss_type == "gspo":
-            if inputs["advantages"].dim() == 2 and inputs["advantages"].shape[1] > 1:
-                raise ValueError(
-                    "`loss_type='gspo'` needs one advantage per sequence but the batch holds per-token advantages "
-                    f"of shape {tuple(inputs['advantages'].shape)}. Fix: use `loss_type='gspo_token'`."
-                )
             advantages = inputs["advantages"]
+            if advantages.dim() == 2 and advantages.shape[1] > 1:
+                raise ValueError("`loss_type='gspo'` needs one advantage per sequence but the batch holds per-token "
+                                 f"advantages of shape {tuple(advantages.shape)}. Fix: use `loss_type='gspo_token'`.")
             out = gspo_loss(logps, old_logps, advantages, mask, self.epsilon_low, self.epsilon_high,
                             check_inputs=False, delta=self.args.delta)
         else:

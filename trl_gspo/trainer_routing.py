@@ -6,7 +6,8 @@
     policy passes          `policy_pass(call, ids, mask, width)`     R2: records; R3: replays the sampler's routes
     end of the round       `finish_round(output)`                    puts the routes to replay into the batch dict
     training micro-batch   `replay_for(inputs, attention_mask)`      the replay (or drift-only) context, or None
-    after backward         `drift_counts()`                          per-layer counts, reduced over ranks by the caller
+    after backward         `drift_counts()`, `keep_drift_counts(c)`  per-layer counts, reduced over ranks by the caller
+    TRL's log              `take_metrics()`                          the `routing/*` values, one host read per log
 
 Modes (`routing_replay`): "none" (natural routing; drift against the old-policy pass is still measured), "old"
 (R2: the routes of TRL's old-policy pass, the GSPO paper's GRPO baseline) and "sampler" (R3: the routes each token
@@ -48,6 +49,7 @@ class TrainerRouting:
         # R3 records the natural routes of the old-policy pass too (a second set of hooks, installed before the
         # replay's, so it sees the router's own choice): which tokens the sampler routed differently.
         self._natural = RoutingReplay(replay.model) if mode == "sampler" else None
+        self._kept_counts: list[torch.Tensor] = []  # rank-summed drift counts of each micro-batch since the last log
 
     @classmethod
     def build(cls, model, args, old_pass_runs: bool, rewrites_completions: bool = False) -> TrainerRouting | None:
@@ -234,8 +236,23 @@ class TrainerRouting:
         return self.replay.replay(indices, mask=force, stats_mask=attention_mask)
 
     def drift_counts(self) -> torch.Tensor:
-        """`[layers, 3]` (drifted, overridden, counted) token counts of the last replay; add over ranks first."""
+        """`[layers, 3]` (drifted, overridden, counted) token counts of the last replay, on the device; add over ranks
+        first."""
         return self.replay.token_counts
+
+    def keep_drift_counts(self, counts: torch.Tensor) -> None:
+        """Keep a micro-batch's rank-summed counts on the device until TRL logs, so that a training step does not
+        wait for its backward to finish just to read them."""
+        self._kept_counts.append(counts)
+
+    def take_metrics(self) -> list[tuple[str, float]]:
+        """`(name, value)` of the `routing/*` metrics of each micro-batch kept since the last call, in order (TRL
+        averages each name's values over the logging window); one host read for all of them."""
+        kept, self._kept_counts = self._kept_counts, []
+        if not kept:
+            return []
+        counts = torch.stack([c.to(kept[0].device) for c in kept]).cpu()
+        return [item for micro_batch in counts for item in routing_metrics(micro_batch, self.mode).items()]
 
 
 def routing_metrics(counts: torch.Tensor, mode: str) -> dict[str, float]:

@@ -55,6 +55,15 @@ def route_changes(indices: torch.Tensor, other: torch.Tensor, per_layer: bool = 
     return changed if per_layer else changed.any(-1)
 
 
+def _fold_counts(weight: torch.Tensor, flags: list) -> torch.Tensor:
+    """`[layers, 3]` (drifted, overridden, counted) weighted token counts of one replayed forward call, from its
+    per-layer `(drifted, overridden)` bool flags and the tokens' float64 `weight`; on the first layer's device."""
+    drifted = torch.stack([d.to(weight.device) for d, _ in flags])
+    overridden = drifted if flags[0][1] is flags[0][0] else torch.stack([o.to(weight.device) for _, o in flags])
+    return torch.stack([drifted.double() @ weight, overridden.double() @ weight,
+                        weight.sum().expand(len(flags))], dim=1)
+
+
 class RoutingReplayError(RuntimeError):
     """Routing replay cannot be applied safely (the message names the cause and the fix)."""
 
@@ -142,11 +151,21 @@ class RoutingReplay:
         (self.top_k, self.num_experts), = shapes
         self.index_dtype = torch.uint8 if self.num_experts <= 256 else torch.int16
         self._formulas: dict[type, GateFormula] = {}
-        self.drift: torch.Tensor | None = None
-        self.overridden_fraction: float | None = None
-        self.token_counts: torch.Tensor | None = None
+        self.token_counts: torch.Tensor | None = None  # [layers, 3] float64 of the last replay, on the device
         self._handles: list = []
         self._guard_handles: list = []
+
+    @property
+    def drift(self) -> torch.Tensor | None:
+        """Per layer, the fraction of counted tokens of the last `replay()` whose natural top-k set differed from the
+        recorded one (on the host: reading it waits for the device)."""
+        return None if self.token_counts is None else drift_statistics(self.token_counts.cpu())[0]
+
+    @property
+    def overridden_fraction(self) -> float | None:
+        """The fraction of counted (token, layer) pairs the last `replay()` changed (reading it waits for the
+        device)."""
+        return None if self.token_counts is None else drift_statistics(self.token_counts.cpu())[1]
 
     def _checkpointing(self) -> bool:
         for attribute in ("is_activation_checkpointing", "is_gradient_checkpointing"):  # new name first
@@ -240,13 +259,13 @@ class RoutingReplay:
         self._guard_handles = []
 
     @staticmethod
-    def _batch_shape(args, kwargs) -> tuple[int, int]:
+    def _batch_shape(args, kwargs) -> tuple[int, int, torch.device]:
         for key in ("input_ids", "inputs_embeds"):
             tensor = kwargs.get(key)
             if tensor is not None:
-                return tensor.shape[0], tensor.shape[1]
+                return tensor.shape[0], tensor.shape[1], tensor.device
         if args and torch.is_tensor(args[0]):
-            return args[0].shape[0], args[0].shape[1]
+            return args[0].shape[0], args[0].shape[1], args[0].device
         raise RoutingReplayError("could not find `input_ids` or `inputs_embeds` in the model call.")
 
     # ------------------------------------------------------------------ record
@@ -257,7 +276,7 @@ class RoutingReplay:
         calls: list[tuple[int, int, list]] = []
 
         def model_hook(module, args, kwargs):
-            batch, length = self._batch_shape(args, kwargs)
+            batch, length, _ = self._batch_shape(args, kwargs)
             calls.append((batch, length, [None] * len(self.routers)))
 
         def router_hook(layer, router, output):
@@ -325,12 +344,14 @@ class RoutingReplay:
         state = {"row": 0, "current": None, "calls": 0}
         fired = [False] * len(self.routers)
         pending = [0] * len(self.routers)  # checkpoint recomputations still owed by backward, per layer
-        # Per layer: [drifted, overridden, counted] tokens, kept on the router's device (no host sync per layer).
-        totals: list[torch.Tensor | None] = [None] * len(self.routers)
+        # Per forward call: its token weights for the statistics and, per layer, (drifted, overridden) token flags.
+        # Folded into counts once per call, on the device, so a layer adds no statistics ops beyond two compares and
+        # the block no host read (reading `drift` or `overridden_fraction` later is the one).
+        calls: list[tuple[torch.Tensor, list]] = []
         checkpointing = self._checkpointing()
 
         def model_hook(module, args, kwargs):
-            batch, length = self._batch_shape(args, kwargs)
+            batch, length, device = self._batch_shape(args, kwargs)
             if state["calls"] and checkpointing:
                 raise RoutingReplayError(
                     "more than one forward call inside one `replay()` block with gradient checkpointing: the "
@@ -344,7 +365,15 @@ class RoutingReplay:
                     f"but the recording holds {indices.shape[0]} x {indices.shape[1]}. Fix: replay with exactly the "
                     "inputs (same padding) that were recorded."
                 )
-            state["current"] = (start, batch, length)
+            # Once per call, not per layer: the call's rows go to the device in one copy (asynchronous from pinned
+            # memory), as [layers, tokens, k], and are sorted once for the drift comparison.
+            routes = indices[start:start + batch].to(device, torch.long, non_blocking=True)
+            routes = routes.permute(2, 0, 1, 3).reshape(len(self.routers), batch * length, self.top_k)
+            keep = None if mask is None else mask[start:start + batch].reshape(-1, 1).to(device, torch.bool)
+            weight = (torch.ones(batch * length, device=device, dtype=torch.float64) if stats_mask is None else
+                      stats_mask[start:start + batch].reshape(-1).to(device, torch.float64))
+            state["current"] = (routes, routes.sort(-1).values, keep)
+            calls.append((weight, [None] * len(self.routers)))
             state["row"] += batch
             state["calls"] += 1
 
@@ -353,38 +382,30 @@ class RoutingReplay:
             logits, weights, natural = self._unpack(router)(output)
             if state["current"] is None:
                 raise RoutingReplayError("a router ran outside a call of the model given to RoutingReplay.")
-            start, batch, length = state["current"]
-            forced = indices[start:start + batch, :, layer].to(natural.device, torch.long).reshape(-1, self.top_k)
+            routes, recorded_sets, keep = state["current"]
+            forced = routes[layer].to(natural.device)
             if forced.shape[0] != natural.shape[0]:
                 raise RoutingReplayError(
                     f"token-count mismatch in {self.layer_names[layer]}: router saw {natural.shape[0]} tokens, "
                     f"the recording has {forced.shape[0]}."
                 )
-            recorded = forced
-            if mask is not None:
-                keep = mask[start:start + batch].reshape(-1, 1).to(natural.device, torch.bool)
-                forced = torch.where(keep, forced, natural.long())
+            index_dtype, natural = natural.dtype, natural.long()
+            if keep is not None:
+                keep = keep.to(natural.device)
+                forced = torch.where(keep, forced, natural)
             formula = self._formula(router, logits, weights, natural)
-            in_backward = torch._C._current_graph_task_id() != -1
-            if in_backward:
+            if torch._C._current_graph_task_id() != -1:  # a checkpoint recomputation must not count twice
                 pending[layer] -= 1
-            else:  # a checkpoint recomputation must not count twice
+            else:
                 fired[layer] = True
                 if checkpointing and torch.is_grad_enabled() and logits.requires_grad:
                     pending[layer] += 1  # backward will re-run this router and must see the same forced experts
-                natural_set = natural.long().sort(-1).values
-                weight = (torch.ones(natural.shape[0], device=natural.device) if stats_mask is None
-                          else stats_mask[start:start + batch].reshape(-1).to(natural.device, torch.float32))
-                counts = torch.stack([
-                    ((recorded.sort(-1).values != natural_set).any(-1) * weight).sum(),
-                    ((forced.sort(-1).values != natural_set).any(-1) * weight).sum(),
-                    weight.sum(),
-                ]).double()
-                totals[layer] = counts if totals[layer] is None else totals[layer] + counts
+                drifted = (recorded_sets[layer].to(natural.device) != natural.sort(-1).values).any(-1)
+                calls[-1][1][layer] = (drifted, drifted if keep is None else drifted & keep.squeeze(1))
             new_weights = formula.fn(router, logits, forced).to(weights.dtype)
-            if mask is not None:  # unforced tokens keep the router's own output, bit for bit
+            if keep is not None:  # unforced tokens keep the router's own output, bit for bit
                 new_weights = torch.where(keep, new_weights, weights)
-            return layout.pack(router, output, logits, new_weights, forced.to(natural.dtype))
+            return layout.pack(router, output, logits, new_weights, forced.to(index_dtype))
 
         self._install(router_hook, model_hook)
         try:
@@ -398,5 +419,4 @@ class RoutingReplay:
         if not all(fired):
             silent = [self.layer_names[i] for i in range(len(self.routers)) if not fired[i]]
             raise RoutingReplayError(f"routers {silent[:3]} never fired during replay; nothing was replayed there.")
-        self.token_counts = torch.stack([t.cpu() for t in totals])
-        self.drift, self.overridden_fraction = drift_statistics(self.token_counts)
+        self.token_counts = sum(_fold_counts(weight, flags) for weight, flags in calls)
