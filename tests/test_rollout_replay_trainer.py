@@ -81,6 +81,30 @@ def test_r3_with_lora_on_the_experts(tmp_path, tokenizer):
     assert max(h["routing/replayed_token_fraction"] for h in _logs(trainer)) > 0
 
 
+def test_r3_leaves_the_peft_reference_pass_on_natural_routing(tmp_path, tokenizer):
+    """With PEFT and beta > 0, TRL's reference pass is the policy model with its adapters disabled. It routes
+    naturally under R3, as a separate reference model does (and as under R2): no replay is open while it runs, while
+    the old-policy pass and the training passes replay the sampler's routes."""
+    from peft import LoraConfig
+    from peft.tuners.tuners_utils import BaseTunerLayer
+
+    lora = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"],
+                      target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"])
+    trainer = _trainer(tokenizer, tmp_path, peft_config=lora, loss_type="gspo", beta=0.1, learning_rate=5e-2)
+    adapter_layer = next(m for m in trainer.model.modules() if isinstance(m, BaseTunerLayer))
+    replays, passes = [], []  # (adapters disabled?) at each replay opened / each policy-model log-prob pass
+    original_replay = trainer._routing.replay.replay
+    trainer._routing.replay.replay = lambda *a, **k: replays.append(adapter_layer.disable_adapters) or original_replay(
+        *a, **k)
+    original_pass = trainer._routing.policy_pass
+    trainer._routing.policy_pass = lambda *a, **k: passes.append(adapter_layer.disable_adapters) or original_pass(
+        *a, **k)
+    trainer.train()
+    assert True in passes and False in passes  # TRL ran reference passes (adapters off) and old-policy passes
+    assert replays and not any(replays)  # every replay opened with the adapters on: none in a reference pass
+    assert {"kl", "routing/sampler_agreement"} <= set().union(*trainer.state.log_history)
+
+
 def test_r3_resume_in_the_middle_of_a_rollout_batch_is_exact(tmp_path, tokenizer):
     """The sampler routes ride in the buffered rollout batch, so a resume mid-rollout replays the same routes."""
     full = _trainer(tokenizer, tmp_path / "full", loss_type="grpo", save_strategy="steps", save_steps=1)

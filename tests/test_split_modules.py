@@ -165,3 +165,16 @@ def test_trl_options_apply_each_weight_and_the_kl_term():
     inputs["sampling_per_token_logps"] = logps + 1.0  # the negative-advantage sequence drifted: dropped
     out, _, _ = apply_trl_options(trainer, inputs, loss, logps, old, None, mask)
     assert torch.allclose(out[0], 0.1 * expected_kl[0]) and torch.allclose(out[1], loss[1] + 0.1 * expected_kl[1])
+
+
+def test_reference_pass_is_told_by_the_adapter_state():
+    """TRL's PEFT reference pass disables the adapters, or activates the copy it loads as "ref"; R3 leaves that pass
+    on natural routing (tests/test_rollout_replay_trainer.py runs it in a trainer)."""
+    from types import SimpleNamespace
+
+    from trl_gspo.trainer_routing import _reference_pass
+
+    assert not _reference_pass(None)  # no PEFT: TRL's reference model is a separate model, never a policy pass
+    assert not _reference_pass(SimpleNamespace(disable_adapters=False, active_adapters=["default"]))
+    assert _reference_pass(SimpleNamespace(disable_adapters=True, active_adapters=["default"]))
+    assert _reference_pass(SimpleNamespace(disable_adapters=False, active_adapters=["ref"]))

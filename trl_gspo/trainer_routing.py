@@ -50,6 +50,7 @@ class TrainerRouting:
         # replay's, so it sees the router's own choice): which tokens the sampler routed differently.
         self._natural = RoutingReplay(replay.model) if mode == "sampler" else None
         self._kept_counts: list[torch.Tensor] = []  # rank-summed drift counts of each micro-batch since the last log
+        self._adapter_layer = _first_adapter_layer(replay.model)  # PEFT: tells TRL's reference pass from the others
 
     @classmethod
     def build(cls, model, args, old_pass_runs: bool, rewrites_completions: bool = False) -> TrainerRouting | None:
@@ -159,14 +160,15 @@ class TrainerRouting:
 
     def policy_pass(self, call, input_ids, attention_mask, logits_to_keep):
         """One scoring pass of the policy model during the generation round (TRL's old-policy pass, or another)."""
+        if self._sampling and _reference_pass(self._adapter_layer):
+            return call()  # the reference policy routes naturally, as a separate reference model does
         if self._sampling:  # R3: the old-policy pass scores the experts that produced the tokens
             prompt_width = input_ids.shape[1] - logits_to_keep
             routes = self._layout(prompt_width, logits_to_keep, attention_mask)
             force = has_route(routes) & attention_mask.bool().cpu()
             with self._natural.record() as natural, self.replay.replay(routes, mask=force, stats_mask=force):
                 result = call()
-            if self._round_counts is None:  # the round's first policy pass: TRL's old-policy pass (a PEFT reference
-                # pass with adapters off also replays the sampler's routes, but does not count here)
+            if self._round_counts is None:  # the round's first policy pass: TRL's old-policy pass
                 self._round_counts = self.replay.token_counts
                 # completion token t is scored by position prompt_width - 1 + t: its route decides its log-prob
                 changed = route_changes(natural.indices.cpu(), routes) & force
@@ -253,6 +255,22 @@ class TrainerRouting:
             return []
         counts = torch.stack([c.to(kept[0].device) for c in kept]).cpu()
         return [item for micro_batch in counts for item in routing_metrics(micro_batch, self.mode).items()]
+
+
+def _first_adapter_layer(model: torch.nn.Module):
+    """A PEFT adapter layer of `model` (LoRA injects them into the base model's modules), or None."""
+    try:
+        from peft.tuners.tuners_utils import BaseTunerLayer
+    except ImportError:
+        return None
+    return next((module for module in model.modules() if isinstance(module, BaseTunerLayer)), None)
+
+
+def _reference_pass(adapter_layer) -> bool:
+    """Is TRL's PEFT reference pass running: the policy model with its adapters disabled, or with the adapter TRL
+    loads as "ref" when it re-trains an existing adapter (TRL's `use_adapter`)."""
+    return adapter_layer is not None and (bool(adapter_layer.disable_adapters)
+                                          or list(adapter_layer.active_adapters) == ["ref"])
 
 
 def routing_metrics(counts: torch.Tensor, mode: str) -> dict[str, float]:
