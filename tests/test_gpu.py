@@ -86,19 +86,26 @@ def test_losses_train_in_bf16_with_the_default_experts_kernel(arm, device, tmp_p
                   f"last loss {logged[-1]['loss']:.4g}, {expected} {logged[-1][expected]:.4g}")
 
 
-def test_replay_reproduces_the_recorded_forward_exactly(device, tokenizer, record_figure):
+@pytest.mark.parametrize("offload", [False, True])
+def test_replay_reproduces_the_recorded_forward_exactly(offload, device, tokenizer, record_figure):
+    """Also with the recording offloaded to pinned host memory (`routing_replay_offload`): the copy must be complete
+    before the host reads it, and the copy back must give the same experts."""
     from trl_gspo.routing import RoutingReplay
 
     model = _model(tokenizer, num_experts=32, num_experts_per_tok=4).to(device, _dtype(device)).eval()
-    replay = RoutingReplay(model)
-    ids = torch.randint(3, tokenizer.vocab_size, (8, 48), device=device)
+    replay, on_device = RoutingReplay(model, offload_to_cpu=offload), RoutingReplay(model)
+    ids = torch.randint(3, tokenizer.vocab_size, (64, 256), device=device)  # big enough for a slow copy to show
     with torch.no_grad():
-        with replay.record() as recording:
+        with replay.record() as recording, on_device.record() as reference:
             recorded = model(input_ids=ids).logits.float().log_softmax(-1)
+        if offload and torch.device(device).type == "cuda":
+            assert recording.indices.device.type == "cpu" and recording.indices.is_pinned()
+        assert torch.equal(recording.indices.cpu(), reference.indices.cpu())  # read on the host right away
         with replay.replay(recording.indices):
             replayed = model(input_ids=ids).logits.float().log_softmax(-1)
     difference = (recorded - replayed).abs().max().item()
-    record_figure("replay of a recording, max |log-prob diff|", f"{difference:.3g} ({_dtype(device)})")
+    record_figure(f"replay of a recording{' offloaded to host' if offload else ''}, max |log-prob diff|",
+                  f"{difference:.3g} ({_dtype(device)})")
     assert difference == 0.0
 
 

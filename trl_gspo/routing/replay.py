@@ -106,7 +106,8 @@ class RoutingReplay:
 
     Args:
         model: a transformers MoE model (or a module containing one, e.g. a PEFT wrapper).
-        offload_to_cpu: keep recordings on CPU (pinned memory when CUDA is available) instead of the GPU.
+        offload_to_cpu: keep recordings of accelerator tensors in pinned host memory instead of on the device
+            (one copy per `record()` block, waited for at its end).
     """
 
     def __init__(self, model: torch.nn.Module, offload_to_cpu: bool = False):
@@ -284,21 +285,26 @@ class RoutingReplay:
             self._formula(router, logits, weights, indices)  # verify once per router class
             if not calls:
                 raise RoutingReplayError("a router ran outside a call of the model given to RoutingReplay.")
-            stored = indices.detach().to(self.index_dtype)
-            calls[-1][2][layer] = self._offload(stored)
+            calls[-1][2][layer] = indices.detach().to(self.index_dtype)
 
         self._install(router_hook, model_hook)
         try:
             yield recording
         finally:
             self._remove()
-        recording.indices = self._assemble(calls)
+        recording.indices = self._offload(self._assemble(calls))
 
     def _offload(self, tensor):
+        """The recording in host memory when `offload_to_cpu`: one copy per recorded block, into pinned memory so
+        that replay's copy back to the device does not block. The copy is waited for here: the host reads the
+        recording next (TRL shuffles and splits the batch on the host), and an asynchronous copy still in flight
+        would hand it whatever the buffer held before."""
         if not self.offload_to_cpu or tensor.device.type == "cpu":
             return tensor  # already in host memory: a CPU run, on any machine
-        # Pinned host memory, so that copying it back to the device for replay does not block.
-        return tensor.to("cpu", non_blocking=True).pin_memory()
+        host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
+        host.copy_(tensor, non_blocking=True)
+        torch.accelerator.synchronize(tensor.device)
+        return host
 
     def _assemble(self, calls) -> torch.Tensor:
         if not calls:
