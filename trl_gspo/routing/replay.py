@@ -372,8 +372,9 @@ class RoutingReplay:
                     "inputs (same padding) that were recorded."
                 )
             # Once per call, not per layer: the call's rows go to the device in one copy (asynchronous from pinned
-            # memory), as [layers, tokens, k], and are sorted once for the drift comparison.
-            routes = indices[start:start + batch].to(device, torch.long, non_blocking=True)
+            # memory), as [layers, tokens, k] in the recording's 1-2 byte dtype (widened per layer: an int64 copy of
+            # every layer at once would cost 8x the memory), and are sorted once for the drift comparison.
+            routes = indices[start:start + batch].to(device, non_blocking=True)
             routes = routes.permute(2, 0, 1, 3).reshape(len(self.routers), batch * length, self.top_k)
             keep = None if mask is None else mask[start:start + batch].reshape(-1, 1).to(device, torch.bool)
             weight = (torch.ones(batch * length, device=device, dtype=torch.float64) if stats_mask is None else
@@ -389,7 +390,7 @@ class RoutingReplay:
             if state["current"] is None:
                 raise RoutingReplayError("a router ran outside a call of the model given to RoutingReplay.")
             routes, recorded_sets, keep = state["current"]
-            forced = routes[layer].to(natural.device)
+            forced = routes[layer].to(natural.device, torch.long)
             if forced.shape[0] != natural.shape[0]:
                 raise RoutingReplayError(
                     f"token-count mismatch in {self.layer_names[layer]}: router saw {natural.shape[0]} tokens, "
