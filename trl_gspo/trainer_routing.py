@@ -160,9 +160,9 @@ class TrainerRouting:
 
     def policy_pass(self, call, input_ids, attention_mask, logits_to_keep):
         """One scoring pass of the policy model during the generation round (TRL's old-policy pass, or another)."""
-        if self._sampling and _reference_pass(self._adapter_layer):
-            return call()  # the reference policy routes naturally, as a separate reference model does
         if self._sampling:  # R3: the old-policy pass scores the experts that produced the tokens
+            if _reference_pass(self._adapter_layer):
+                return call()  # the reference policy routes naturally, as a separate reference model does
             prompt_width = input_ids.shape[1] - logits_to_keep
             routes = self._layout(prompt_width, logits_to_keep, attention_mask)
             force = has_route(routes) & attention_mask.bool().cpu()

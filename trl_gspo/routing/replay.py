@@ -55,13 +55,14 @@ def route_changes(indices: torch.Tensor, other: torch.Tensor, per_layer: bool = 
     return changed if per_layer else changed.any(-1)
 
 
-def _fold_counts(weight: torch.Tensor, flags: list) -> torch.Tensor:
+def _fold_counts(weight: torch.Tensor, keep: torch.Tensor | None, drifted: list) -> torch.Tensor:
     """`[layers, 3]` (drifted, overridden, counted) weighted token counts of one replayed forward call, from its
-    per-layer `(drifted, overridden)` bool flags and the tokens' float64 `weight`; on the first layer's device."""
-    drifted = torch.stack([d.to(weight.device) for d, _ in flags])
-    overridden = drifted if flags[0][1] is flags[0][0] else torch.stack([o.to(weight.device) for _, o in flags])
+    per-layer bool `drifted` token flags, the tokens it forced (`keep` `[tokens, 1]`, None: all) and their float64
+    `weight`; on the call's input device."""
+    drifted = torch.stack([flags.to(weight.device) for flags in drifted])
+    overridden = drifted if keep is None else drifted & keep.reshape(1, -1)
     return torch.stack([drifted.double() @ weight, overridden.double() @ weight,
-                        weight.sum().expand(len(flags))], dim=1)
+                        weight.sum().expand(len(drifted))], dim=1)
 
 
 class RoutingReplayError(RuntimeError):
@@ -350,10 +351,11 @@ class RoutingReplay:
         state = {"row": 0, "current": None, "calls": 0}
         fired = [False] * len(self.routers)
         pending = [0] * len(self.routers)  # checkpoint recomputations still owed by backward, per layer
-        # Per forward call: its token weights for the statistics and, per layer, (drifted, overridden) token flags.
-        # Folded into counts once per call, on the device, so a layer adds no statistics ops beyond two compares and
-        # the block no host read (reading `drift` or `overridden_fraction` later is the one).
-        calls: list[tuple[torch.Tensor, list]] = []
+        # Per forward call: its token weights for the statistics, the tokens it forces and, per layer, the tokens
+        # whose natural experts differ from the recorded ones. Folded into counts once per call, on the device, so a
+        # layer adds no statistics ops beyond a sort and two compares and the block no host read (reading `drift`
+        # or `overridden_fraction` later is the one).
+        calls: list[tuple[torch.Tensor, torch.Tensor | None, list]] = []
         checkpointing = self._checkpointing()
 
         def model_hook(module, args, kwargs):
@@ -380,7 +382,7 @@ class RoutingReplay:
             weight = (torch.ones(batch * length, device=device, dtype=torch.float64) if stats_mask is None else
                       stats_mask[start:start + batch].reshape(-1).to(device, torch.float64))
             state["current"] = (routes, routes.sort(-1).values, keep)
-            calls.append((weight, [None] * len(self.routers)))
+            calls.append((weight, keep, [None] * len(self.routers)))
             state["row"] += batch
             state["calls"] += 1
 
@@ -407,8 +409,7 @@ class RoutingReplay:
                 fired[layer] = True
                 if checkpointing and torch.is_grad_enabled() and logits.requires_grad:
                     pending[layer] += 1  # backward will re-run this router and must see the same forced experts
-                drifted = (recorded_sets[layer].to(natural.device) != natural.sort(-1).values).any(-1)
-                calls[-1][1][layer] = (drifted, drifted if keep is None else drifted & keep.squeeze(1))
+                calls[-1][2][layer] = (recorded_sets[layer].to(natural.device) != natural.sort(-1).values).any(-1)
             new_weights = formula.fn(router, logits, forced).to(weights.dtype)
             if keep is not None:  # unforced tokens keep the router's own output, bit for bit
                 new_weights = torch.where(keep, new_weights, weights)
@@ -426,4 +427,4 @@ class RoutingReplay:
         if not all(fired):
             silent = [self.layer_names[i] for i in range(len(self.routers)) if not fired[i]]
             raise RoutingReplayError(f"routers {silent[:3]} never fired during replay; nothing was replayed there.")
-        self.token_counts = sum(_fold_counts(weight, flags) for weight, flags in calls)
+        self.token_counts = sum(_fold_counts(*call) for call in calls)
