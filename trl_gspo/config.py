@@ -2,15 +2,13 @@
 
 from __future__ import annotations
 
-import logging
 import numbers
 from dataclasses import dataclass, field
 
-from transformers.utils import logging as hf_logging
+from transformers.utils import logging
 from trl import GRPOConfig
 
-logger = logging.getLogger(__name__)
-_once_logger = hf_logging.get_logger(__name__)  # transformers' logger: adds `warning_once`
+logger = logging.get_logger(__name__)  # transformers' logger: adds `warning_once`
 
 GSPO_LOSS_TYPES = ("gspo", "gspo_token")
 # Loss types TRL 1.16 implements itself; GSPOTrainer hands these to `GRPOTrainer._compute_loss` untouched.
@@ -272,14 +270,14 @@ def warn_about_setup(args) -> None:
     if not isinstance(args, GSPOConfig):
         epsilon_high = args.epsilon if args.epsilon_high is None else args.epsilon_high
         if (args.epsilon, epsilon_high) != (PAPER_EPSILON_LOW, PAPER_EPSILON_HIGH):
-            _once_logger.warning_once(
+            logger.warning_once(
                 f"loss_type={args.loss_type!r} with TRL's GRPOConfig: clip range epsilon={args.epsilon}, "
                 f"epsilon_high={epsilon_high}. The GSPO paper uses epsilon=3e-4, epsilon_high=4e-4, beta=0 and "
                 "steps_per_generation = 4 x gradient_accumulation_steps; trl_gspo.GSPOConfig applies these "
                 "by default.",
             )
     if not runs_old_policy_pass(args):
-        _once_logger.warning_once(
+        logger.warning_once(
             f"loss_type={args.loss_type!r} with steps_per_generation={args.steps_per_generation}, "
             f"num_iterations={args.num_iterations}, gradient_accumulation_steps={args.gradient_accumulation_steps}: "
             "training is fully on-policy, so every importance ratio is exactly 1 and nothing is ever clipped "
