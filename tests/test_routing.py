@@ -561,30 +561,21 @@ def test_token_counts_over_several_calls_match_an_independent_count():
 def test_replay_block_reads_nothing_to_the_host():
     """A replayed forward and backward, with a force mask and statistics, never waits for the device: no
     `.item()`/`bool()`/`.tolist()`/`.cpu()` inside the block or at its exit (each is a device sync on a GPU).
-    Counted on CPU with a dispatch mode, the same counter as benchmarks/loss_overhead.py."""
-    from torch.utils._python_dispatch import TorchDispatchMode
+    Counted on CPU with benchmarks/_setup.py's counter (as benchmarks/loss_overhead.py counts)."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).parents[1] / "benchmarks"))
+    from _setup import count_host_reads
 
     model, ids, mask, rr, rec = _recorded_then_perturbed()
-    reads = []
-
-    class HostReads(TorchDispatchMode):
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            if func is torch.ops.aten._local_scalar_dense.default:
-                reads.append(func)
-            return func(*args, **(kwargs or {}))
-
     force = torch.ones(ids.shape, dtype=torch.bool)
     force[:, -1] = False
-    original_cpu = torch.Tensor.cpu
     counts = {}
-    try:
-        torch.Tensor.cpu = lambda self, *a, **k: reads.append("cpu") or original_cpu(self, *a, **k)
-        for replayed in (False, True):
-            reads.clear()
-            with HostReads(), rr.replay(rec.indices, mask=force, stats_mask=mask) if replayed else nullcontext():
+    for replayed in (False, True):
+        with count_host_reads() as reads:
+            with rr.replay(rec.indices, mask=force, stats_mask=mask) if replayed else nullcontext():
                 model(input_ids=ids, attention_mask=mask, labels=ids).loss.backward()
-            counts[replayed] = list(reads)
-    finally:
-        torch.Tensor.cpu = original_cpu
+        counts[replayed] = reads["count"]
     assert counts[True] == counts[False]  # the model's own reads (its experts loop, its loss), nothing added
     assert rr.token_counts.shape == (len(rr.routers), 3) and float(rr.drift.max()) > 0  # reading them is the sync
