@@ -24,8 +24,13 @@ from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
 from trl_gspo.routing import RoutingReplay
 
-GPU_SIZE = dict(hidden=2048, experts=128, top_k=8, expert_width=768, layers=4, tokens=8192, dtype="bfloat16",
-                device="cuda")
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import _setup  # noqa: E402  (the header, and the GPU size's layer widths)
+
+_GPU = _setup.SIZES["gpu"]  # Qwen3-30B-A3B layer widths, 4 layers
+GPU_SIZE = dict(hidden=_GPU["hidden_size"], experts=_GPU["num_experts"], top_k=_GPU["num_experts_per_tok"],
+                expert_width=_GPU["moe_intermediate_size"], layers=_GPU["num_hidden_layers"], tokens=8192,
+                dtype="bfloat16", device="cuda")
 # Operators that only make a new view of a tensor: no kernel runs for them on a GPU.
 VIEWS = {"view", "_unsafe_view", "select", "slice", "permute", "expand", "detach", "t", "transpose", "unsqueeze",
          "squeeze", "alias", "as_strided", "reshape", "unbind", "split", "split_with_sizes", "unfold", "view_as"}
@@ -70,9 +75,6 @@ def main():
     )
     torch.manual_seed(0)
     model = Qwen3MoeForCausalLM(config).to(args.device, dtype).train()  # transformers' default experts kernel
-    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    import _setup
-
     _setup.header("routing_replay_overhead", args.device, dtype, _setup.experts_kernel(model))
     batch = args.tokens // args.seq_len
     ids = torch.randint(0, config.vocab_size, (batch, args.seq_len), device=args.device)

@@ -38,9 +38,10 @@ import _setup  # noqa: E402  (the MoE task, the pretrained models, scoring, the 
 from moe_stress import _loss  # noqa: E402  (the grpo / gspo mini-batch losses)
 
 GSPO_LOW, GSPO_HIGH = _setup.GSPO_LOW, _setup.GSPO_HIGH
-# --size gpu: Qwen3-30B-A3B layer widths (as benchmarks/_setup.py SIZES["gpu"]), 4 layers, trained like the others.
-GPU_MODEL = dict(_setup.MODELS[(64, 8)], hidden_size=2048, moe_intermediate_size=768, intermediate_size=6144,
-                 num_experts=128, num_experts_per_tok=8, num_attention_heads=32, num_key_value_heads=4, head_dim=128)
+# --size gpu: the layer widths of benchmarks/_setup.py SIZES["gpu"] (Qwen3-30B-A3B), on the 4-layer task model.
+GPU_WIDTHS = ("hidden_size", "intermediate_size", "moe_intermediate_size", "num_experts", "num_experts_per_tok",
+              "num_attention_heads", "num_key_value_heads", "head_dim")
+GPU_MODEL = dict(_setup.MODELS[(64, 8)], **{key: _setup.SIZES["gpu"][key] for key in GPU_WIDTHS})
 
 
 def sample(sampler, sampler_routing, tokenizer, rng, prompts: int, group: int) -> dict:
