@@ -64,7 +64,8 @@ def test_r3_equals_r2_when_sampler_and_trainer_route_alike_and_differs_when_they
         return sampled
 
     monkeypatch.setattr(rollout.GenerationRecording, "per_sample", shifted)
-    moved = _trainer(tokenizer, tmp_path / "moved", loss_type="grpo")
+    # routing_replay_min_agreement=0: these routes are wrong on purpose, the check that refuses them is off here
+    moved = _trainer(tokenizer, tmp_path / "moved", loss_type="grpo", routing_replay_min_agreement=0.0)
     moved.train()
     assert max(h["routing/sampler_agreement"] for h in _rounds(moved)) < 0.9
     assert any(abs(a["loss"] - b["loss"]) > 1e-6 for a, b in zip(_logs(moved), _logs(r2)))
@@ -137,3 +138,40 @@ def test_r3_replays_on_policy_too(tmp_path, tokenizer):
     logs = _logs(trainer)
     assert len(logs) == 2 and all("routing/replayed_token_fraction" in h for h in logs)
     assert _rounds(trainer) == []
+
+
+def _garble(monkeypatch, garble):
+    """Make HF generate's recorded routes pass through `garble(routes, num_experts)` (prompt and completion)."""
+    real = rollout.GenerationRecording.per_sample
+
+    def garbled(self, *args, **kwargs):
+        sampled = real(self, *args, **kwargs)
+        experts = self.replay.num_experts
+        sampled.prompt_routes = [garble(r, experts) for r in sampled.prompt_routes]
+        sampled.completion_routes = [garble(r, experts) for r in sampled.completion_routes]
+        return sampled
+
+    monkeypatch.setattr(rollout.GenerationRecording, "per_sample", garbled)
+
+
+def _keep_sentinel(routes, garbled):
+    sentinel = routes == rollout.no_route(routes.dtype)
+    return torch.where(sentinel, routes, garbled.to(routes.dtype))
+
+
+@pytest.mark.parametrize("garble, refusal", [
+    # what a capture that silently failed returns (vLLM's CPU kernel under torch.compile did, docs/sampling.md)
+    (lambda r, e: _keep_sentinel(r, torch.zeros_like(r)), "same expert twice"),
+    (lambda r, e: _keep_sentinel(r, torch.full_like(r, e)), "outside 0..3"),
+    # off by one position: each token gets its predecessor's route (the first keeps its own)
+    (lambda r, e: torch.cat([r[:1], r[:-1]]) if len(r) > 1 else r, "routing_replay_min_agreement"),
+    # routes of another model: valid top-k sets, but other experts (e -> e + 1, e + 2)
+    (lambda r, e: _keep_sentinel(r, torch.stack([(r[..., 0].long() + 1) % e, (r[..., 0].long() + 2) % e], -1)),
+     "routing_replay_min_agreement"),
+])
+def test_r3_refuses_routes_that_cannot_be_the_samplers(garble, refusal, tmp_path, tokenizer, monkeypatch):
+    _garble(monkeypatch, garble)
+    trainer = _trainer(tokenizer, tmp_path, loss_type="gspo", max_steps=1)
+    with pytest.raises(rollout.RoutingReplayError, match=refusal):
+        trainer.train()
+    assert trainer.state.global_step == 0  # refused before any update

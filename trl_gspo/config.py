@@ -51,7 +51,9 @@ NON_LOSS_FIELDS = (
     "log_completions", "log_multimodal", "num_completions_to_print", "log_unique_prompts", "log_completions_hub_repo",
 )
 # Fields `GSPOConfig` adds to `GRPOConfig`.
-GSPO_CONFIG_FIELDS = ("routing_replay", "routing_replay_offload")
+GSPO_CONFIG_FIELDS = ("routing_replay", "routing_replay_offload", "routing_replay_min_agreement", "vllm_dtype")
+VLLM_DTYPES = ("auto", "float32", "bfloat16", "float16")
+DEFAULT_MIN_ROUTE_AGREEMENT = 0.75  # routing_replay_min_agreement's default (a plain GRPOConfig has no such field)
 
 # GSPO paper (arXiv 2507.18071), Section 5.1: clip range 3e-4 / 4e-4, no KL term, and each rollout batch
 # split into 4 mini-batches for gradient updates.
@@ -146,6 +148,24 @@ class GSPOConfig(GRPOConfig):
         default=False,
         metadata={"help": "Keep routing recordings on CPU (pinned when a GPU is present) instead of the device."},
     )
+    routing_replay_min_agreement: float = field(
+        default=DEFAULT_MIN_ROUTE_AGREEMENT,
+        metadata={
+            "help": "R3: training stops when, in a generation round, fewer than this share of (token, layer) routes "
+            "of the sampler equal the trainer's own routes in TRL's old-policy pass (same weights, so only "
+            "precision and kernels differ: measured 0.96-1.0, docs/sampling.md). Lower means routes that do not "
+            "belong to these tokens: misaligned (routes shifted by one token: 0.58 on the 4-expert test model), from "
+            "another model, or a sampler that missed a weight sync. 0 turns the check off."
+        },
+    )
+    vllm_dtype: str = field(
+        default="auto",
+        metadata={
+            "help": "dtype of TRL's colocate vLLM engine: 'auto' (vLLM's choice, TRL's default: a float32 checkpoint "
+            "is served in bfloat16), 'float32', 'bfloat16' or 'float16'. GSPOTrainer warns when the engine computes "
+            "in another dtype than the trainer. In server mode set the server's --dtype instead."
+        },
+    )
 
     def __post_init__(self):
         _check_types(self)
@@ -168,6 +188,8 @@ class GSPOConfig(GRPOConfig):
 # inside a comparison (`GSPOConfig(epsilon="3e-4")`). `None` is left to the defaults and to `validate_gspo_args`.
 _FIELD_TYPES = {"loss_type": (str, "a string", "'gspo'"), "importance_sampling_level": (str, "a string", "'sequence'"),
                 "routing_replay": (str, "a string", "'old'"), "routing_replay_offload": (bool, "a bool", "True"),
+                "routing_replay_min_agreement": (numbers.Real, "a number", "0.75"),
+                "vllm_dtype": (str, "a string", "'float32'"),
                 "epsilon": (numbers.Real, "a number", "3e-4"), "epsilon_high": (numbers.Real, "a number", "4e-4"),
                 "beta": (numbers.Real, "a number", "0.0"), "delta": (numbers.Real, "a number", "1.5"),
                 "steps_per_generation": (numbers.Integral, "an integer", "4")}
@@ -214,6 +236,17 @@ def validate_gspo_args(args: GRPOConfig) -> None:
         raise _error("routing_replay", f"unknown value {routing_replay!r}.", "use 'none', 'old' or 'sampler'.")
     if routing_replay == "sampler":
         _check_sampler_can_route(args)
+    min_agreement = getattr(args, "routing_replay_min_agreement", DEFAULT_MIN_ROUTE_AGREEMENT)
+    if not 0 <= min_agreement <= 1:
+        raise _error("routing_replay_min_agreement", f"must lie in [0, 1], got {min_agreement}.",
+                     "use the default 0.75, or 0 to turn the check off.")
+    vllm_dtype = getattr(args, "vllm_dtype", "auto")
+    if vllm_dtype not in VLLM_DTYPES:
+        raise _error("vllm_dtype", f"unknown value {vllm_dtype!r}.", f"use one of {', '.join(map(repr, VLLM_DTYPES))}.")
+    if vllm_dtype != "auto" and args.use_vllm and args.vllm_mode != "colocate":
+        raise _error("vllm_dtype", f"{vllm_dtype!r} sets the dtype of TRL's colocate engine; in vllm_mode="
+                     f"{args.vllm_mode!r} the server builds its own.",
+                     f"start the server with `trl vllm-serve --dtype {vllm_dtype}` and leave vllm_dtype='auto'.")
     if args.loss_type not in GSPO_LOSS_TYPES:
         return
 

@@ -15,7 +15,7 @@ from trl import GRPOTrainer
 from . import metrics as gspo_metrics
 from .checkpoints import (has_full_weights, load_full_weights, resolve_resume_from_checkpoint, restore_rollout_state,
                           rollout_buffer_path, rollout_layout, save_rollout_buffer)
-from .config import (GSPO_LOSS_TYPES, PAPER_EPSILON_HIGH, PAPER_EPSILON_LOW, GSPOConfig, runs_old_policy_pass,
+from .config import (DEFAULT_MIN_ROUTE_AGREEMENT, GSPO_LOSS_TYPES, PAPER_EPSILON_HIGH, PAPER_EPSILON_LOW, GSPOConfig, runs_old_policy_pass,
                      validate_gspo_args, warn_about_setup)
 from .losses import (
     adaptive_entropy_coef,
@@ -29,8 +29,8 @@ from .losses import (
     raise_if_nonfinite,
 )
 from .model_checks import check_model
-from .sampling.metrics import sampling_metrics
-from .sampling.vllm import engine_returns_routes
+from .sampling.metrics import check_sampler_round, sampling_metrics
+from .sampling.vllm import engine_dtype, engine_options, warn_on_dtype_gap
 from .trainer_routing import TrainerRouting
 from .trl_options import apply_trl_options
 
@@ -70,11 +70,15 @@ class GSPOTrainer(GRPOTrainer):
         check_model(model, args)  # trl_gspo/model_checks.py: unsupported architectures fail here, not mid-step
         if args.loss_type in GSPO_LOSS_TYPES:
             warn_about_setup(args)
-        r3_vllm = args.use_vllm and getattr(args, "routing_replay", "none") == "sampler"  # TRL's colocate engine:
-        with engine_returns_routes() if r3_vllm else contextlib.nullcontext():  # built returning routed experts
+        with engine_options(**_engine_options(args)) if args.use_vllm else contextlib.nullcontext():
             super().__init__(model, reward_funcs, args, *positional, **kwargs)
         base = self.accelerator.unwrap_model(self.model)
         base = base.get_base_model() if hasattr(base, "get_base_model") else base
+        if self.use_vllm and self.vllm_mode == "colocate" and self.accelerator.is_main_process:
+            trainer_dtype = torch.bfloat16 if args.bf16 else torch.float16 if args.fp16 else base.dtype
+            warn_on_dtype_gap(engine_dtype(self.vllm_generation.llm), trainer_dtype)
+        self._sampler_gap_reference = None  # mean |log r| of the first training round: the sampler/trainer baseline
+        self._min_route_agreement = getattr(args, "routing_replay_min_agreement", DEFAULT_MIN_ROUTE_AGREEMENT)
         self._routing = TrainerRouting.build(base, self.args, runs_old_policy_pass(self.args),
                                              rewrites_completions=bool(self.tools or self.rollout_func))
         self._replay_stack, self._replay_opened = None, False  # open while a micro-batch runs forward and backward
@@ -93,9 +97,12 @@ class GSPOTrainer(GRPOTrainer):
             mode = "train" if self.model.training else "eval"
             band = ((self.epsilon_low, self.epsilon_high) if self.loss_type in GSPO_LOSS_TYPES
                     else (PAPER_EPSILON_LOW, PAPER_EPSILON_HIGH))  # "outside GSPO's band" for any loss type
-            for name, value in sampling_metrics(self.accelerator, trainer_logps, sampler_logps, mask, *band, changed,
-                                                counts).items():
+            values = sampling_metrics(self.accelerator, trainer_logps, sampler_logps, mask, *band, changed, counts)
+            for name, value in values.items():
                 self._metrics[mode][name].append(value)
+            if mode == "train":  # stops on implausible R3 routes, announces a sampler drift (docs/sampling.md)
+                self._sampler_gap_reference = check_sampler_round(values, self._sampler_gap_reference,
+                                                                  self._min_route_agreement)
         return output
 
     def _generate_single_turn(self, *args, **kwargs):
@@ -286,6 +293,16 @@ class GSPOTrainer(GRPOTrainer):
         raise_if_nonfinite(host[:3])
         for name, value in zip(values, host[3:]):
             self._metrics[mode][name].append(value)
+
+
+def _engine_options(args) -> dict:
+    """What GSPOTrainer adds to TRL's colocate vLLM engine: routed experts for R3, the dtype the user chose."""
+    options = {}
+    if getattr(args, "routing_replay", "none") == "sampler":
+        options["enable_return_routed_experts"] = True
+    if getattr(args, "vllm_dtype", "auto") != "auto":
+        options["dtype"] = args.vllm_dtype
+    return options
 
 
 def _refuse_unused_token_advantages(trainer_cls, args) -> None:

@@ -23,8 +23,8 @@ import torch
 from transformers.utils import logging
 
 from .routing import RoutingReplay, RoutingReplayError, drift_statistics, find_routers, route_changes
-from .routing.rollout import (SampledRoutes, has_route, pad_routes_like, record_generation, route_dtype,
-                              wrapping_method)
+from .routing.rollout import (SampledRoutes, check_sampled_routes, has_route, pad_routes_like, record_generation,
+                              route_dtype, wrapping_method)
 from .sampling.vllm import capture_outputs, routes_from_vllm
 
 logger = logging.get_logger(__name__)
@@ -107,8 +107,8 @@ class TrainerRouting:
         if vllm:
             with capture_outputs(target()) as outputs:
                 def finish_vllm(completion_lengths, logprobs):
-                    self._sampled.append(routes_from_vllm(outputs, route_dtype(self.replay.num_experts,
-                                                                                self.replay.top_k)))
+                    self._keep(routes_from_vllm(outputs, route_dtype(self.replay.num_experts, self.replay.top_k)),
+                               "vLLM")
                     return logprobs  # TRL's own, from vLLM
 
                 yield finish_vllm
@@ -131,10 +131,15 @@ class TrainerRouting:
                                            "`generate`, so no sampler routes were recorded. Fix: use HF generation "
                                            "(not continuous batching) or vLLM, or set routing_replay='old'.")
                     sampled = recording.per_sample(captured["sequences"], captured["prompt_mask"], completion_lengths)
-                    self._sampled.append(sampled)
+                    self._keep(sampled, "HF generate")
                     return [logps.tolist() for logps in sampled.sampler_logps]
 
                 yield finish
+
+    def _keep(self, sampled: SampledRoutes, source: str) -> None:
+        """Validate one generate call's routes (before anything replays them) and keep them for the round."""
+        check_sampled_routes(sampled, self.replay.num_experts, self.replay.top_k, source)
+        self._sampled.append(sampled)
 
     def _layout(self, prompt_width: int, completion_width: int, attention_mask=None) -> torch.Tensor:
         """The round's sampler routes laid out like TRL's padded `[prompt | completion]` batch."""

@@ -33,8 +33,8 @@ import torch
 
 from .replay import RoutingReplay, RoutingReplayError
 
-__all__ = ["GenerationRecording", "SampledRoutes", "has_route", "no_route", "pad_routes_like", "record_generation",
-           "route_dtype", "wrapping_method"]
+__all__ = ["GenerationRecording", "SampledRoutes", "check_sampled_routes", "has_route", "no_route", "pad_routes_like",
+           "record_generation", "route_dtype", "wrapping_method"]
 
 
 def route_dtype(num_experts: int, top_k: int) -> torch.dtype:
@@ -74,6 +74,36 @@ class SampledRoutes:
     prompt_routes: list[torch.Tensor]
     completion_routes: list[torch.Tensor]
     sampler_logps: list[torch.Tensor]
+
+
+def check_sampled_routes(sampled: SampledRoutes, num_experts: int, top_k: int, source: str) -> None:
+    """Refuse sampler routes that no top-k router produces, before they are replayed: a wrong number of experts per
+    token, an index outside `0..num_experts-1`, or the same expert twice in one token's top-k (e.g. all-zero routes
+    from a capture that silently failed). `no_route` rows are skipped. Raises `RoutingReplayError` naming the cause."""
+    routes = [r for r in (*sampled.prompt_routes, *sampled.completion_routes) if r.numel()]
+    if not routes:
+        return
+    routes = torch.cat([r.reshape(-1, r.shape[-1]) for r in routes])  # [(token, layer), k]
+    where = f"routing_replay='sampler': the routes {source} returned"
+    if routes.shape[-1] != top_k:
+        raise RoutingReplayError(f"{where} hold {routes.shape[-1]} experts per token and layer; the model routes "
+                                 f"each token to {top_k}. Fix: sample with the model being trained, or set "
+                                 "routing_replay='old'.")
+    routes = routes[(routes != no_route(routes.dtype)).any(-1)].long()
+    if bool(((routes < 0) | (routes >= num_experts)).any()):
+        raise RoutingReplayError(f"{where} hold expert indices outside 0..{num_experts - 1} (the model's experts). "
+                                 "Cause: routes from another model, or misread. Fix: sample with the model being "
+                                 "trained, or set routing_replay='old'.")
+    ordered = routes.sort(-1).values
+    repeated = (ordered[:, 1:] == ordered[:, :-1]).any(-1)
+    if bool(repeated.any()):
+        example = routes[repeated.nonzero()[0, 0]].tolist()
+        raise RoutingReplayError(
+            f"{where} name the same expert twice within one token's top-{top_k} in {int(repeated.sum())} of "
+            f"{len(routes)} (token, layer) slots, e.g. {example}; no top-k router does that. Cause: the sampler's "
+            "route capture returned placeholders (all-zero routes: a capture that was compiled away or never "
+            "bound), or misaligned data. Fix: use a vLLM build whose MoE kernel supports routed-experts capture "
+            "(docs/sampling.md), or set routing_replay='old'.")
 
 
 def _generation_module(model: torch.nn.Module) -> torch.nn.Module:

@@ -4,7 +4,7 @@ Inputs, per completion token: the trainer's log-prob `logps` (TRL's old-policy p
 the sampler's `sampler_logps` (vLLM or HF generate; NaN where the sampler gave none) and the completion `mask`.
 With `r_t = pi_trainer(y_t) / pi_sampler(y_t)`, the raw token ratio before any clip or correction:
 
-    token ratio           mean, min, max of r_t; share of tokens with r_t outside [0.5, 2]
+    token ratio           mean, min, max of r_t; share of tokens with r_t outside [0.5, 2]; mean |log r_t|
     sequence ratio        s_i = exp(mean_t log r_t) (GSPO's view, eq. 7 of arXiv 2507.18071): mean, min, max, and
                           the share of sequences outside GSPO's clip band [1 - eps_low, 1 + eps_high] from the
                           mismatch alone
@@ -21,8 +21,18 @@ from __future__ import annotations
 import math
 
 import torch
+from transformers.utils import logging
 
-__all__ = ["finish_mismatch", "mismatch_sums", "sampling_metrics"]
+from ..routing import RoutingReplayError
+
+logger = logging.get_logger(__name__)
+
+__all__ = ["check_sampler_round", "finish_mismatch", "mismatch_sums", "sampler_drifted", "sampling_metrics"]
+
+# A round's mean |log r_t| counts as drift when it exceeds both DRIFT_FACTOR x the first round's and the first round's
+# + DRIFT_MARGIN nats. Measured on CPU (docs/sampling.md): a correct bf16 engine stays near its round-1 gap as
+# training moves the weights; an engine that missed a weight sync went from 0.025 to 0.42.
+DRIFT_FACTOR, DRIFT_MARGIN = 4.0, 0.05
 
 
 def mismatch_sums(logps: torch.Tensor, sampler_logps: torch.Tensor, mask: torch.Tensor, eps_low: float = 3e-4,
@@ -41,7 +51,7 @@ def mismatch_sums(logps: torch.Tensor, sampler_logps: torch.Tensor, mask: torch.
     outside_band = nonempty & ((log_s < math.log1p(-eps_low)) | (log_s > math.log1p(eps_high)))
     sums = {
         "tokens": tokens.sum(), "missing": (mask.bool() & ~present).double().sum(), "masked": mask.double().sum(),
-        "ratio": (ratio * tokens).sum(), "outside_half_double": (((ratio < 0.5) | (ratio > 2.0)) & present).double().sum(),
+        "ratio": (ratio * tokens).sum(), "abs_log_r": (log_r.abs() * tokens).sum(), "outside_half_double": (((ratio < 0.5) | (ratio > 2.0)) & present).double().sum(),
         "k3": ((ratio - 1 - log_r) * tokens).sum(), "ratio_sq": (ratio.square() * tokens).sum(),
         "sequences": nonempty.double().sum(), "seq_ratio": (log_s.exp() * nonempty).sum(),
         "seq_outside_band": outside_band.double().sum(),
@@ -71,6 +81,7 @@ def finish_mismatch(totals: dict, extremes: torch.Tensor) -> dict:
         "sampling/token_ratio_min": torch.where(has_tokens, -extremes[1], one),
         "sampling/token_ratio_max": torch.where(has_tokens, extremes[0], one),
         "sampling/token_ratio_outside_0.5_2": totals["outside_half_double"] / tokens,
+        "sampling/abs_log_ratio_mean": totals["abs_log_r"] / tokens,
         "sampling/seq_ratio_mean": torch.where(has_sequences, totals["seq_ratio"] / sequences, one),
         "sampling/seq_ratio_min": torch.where(has_sequences, -extremes[3], one),
         "sampling/seq_ratio_max": torch.where(has_sequences, extremes[2], one),
@@ -103,3 +114,35 @@ def sampling_metrics(accelerator, logps, sampler_logps, mask, eps_low, eps_high,
     if agreement_counts is not None:
         values["routing/sampler_agreement"] = 1 - totals["route_differing"] / totals["route_counted"].clamp(min=1)
     return dict(zip(values, torch.stack(list(values.values())).tolist()))  # the one host read
+
+
+def sampler_drifted(reference: float, current: float) -> bool:
+    """Whether a round's mean |log r_t| (`sampling/abs_log_ratio_mean`, trainer and sampler holding the same weights)
+    has moved far above the first round's `reference`: the sampler no longer samples from the trainer's weights."""
+    return current > max(DRIFT_FACTOR * reference, reference + DRIFT_MARGIN)
+
+
+def check_sampler_round(values: dict, reference: float | None, min_agreement: float) -> float:
+    """After a training round's metrics (`sampling_metrics`, the same on every rank): raise `RoutingReplayError`
+    when R3's sampler/trainer route agreement is below `min_agreement` (`routing_replay_min_agreement`), and warn
+    loudly when the sampler drifted from the trainer since the first round (`sampler_drifted`). Returns the gap
+    reference to keep: `reference`, or this round's gap when there was none."""
+    agreement = values.get("routing/sampler_agreement")
+    if agreement is not None and agreement < min_agreement:
+        raise RoutingReplayError(
+            f"routing_replay='sampler': only {agreement:.3f} of the sampler's (token, layer) routes equal the "
+            f"trainer's own in TRL's old-policy pass, below routing_replay_min_agreement={min_agreement}. Sampler "
+            "and trainer hold the same weights there, so only precision and kernels may differ (measured 0.96-1.0, "
+            "docs/sampling.md). Cause: routes shifted against their tokens, routes of another model, or a sampler "
+            "that missed the weight sync. Fix: check the sampler's route capture and weight sync; lower "
+            "routing_replay_min_agreement only for a gap you measured as legitimate; or set routing_replay='old'.")
+    gap = values["sampling/abs_log_ratio_mean"]
+    if reference is None:
+        return gap
+    if sampler_drifted(reference, gap):
+        logger.warning(
+            f"SAMPLER DRIFT: the sampler's log-probs are {gap:.4f} nats (mean |log ratio|) from the trainer's on the "
+            f"same weights, against {reference:.4f} in the first round. The sampler no longer samples from the trained "
+            "weights (a weight sync that did not reach the kernels the engine computes with), so every importance "
+            "ratio is off. See sampling/abs_log_ratio_mean and docs/sampling.md.")
+    return reference
