@@ -15,8 +15,8 @@ from trl import GRPOTrainer
 from . import metrics as gspo_metrics
 from .checkpoints import (has_full_weights, load_full_weights, resolve_resume_from_checkpoint, restore_rollout_state,
                           rollout_buffer_path, rollout_layout, save_rollout_buffer)
-from .config import (DEFAULT_MIN_ROUTE_AGREEMENT, GSPO_LOSS_TYPES, PAPER_EPSILON_HIGH, PAPER_EPSILON_LOW, GSPOConfig, runs_old_policy_pass,
-                     validate_gspo_args, warn_about_setup)
+from .config import (DEFAULT_MIN_ROUTE_AGREEMENT, GSPO_LOSS_TYPES, PAPER_EPSILON_HIGH, PAPER_EPSILON_LOW, GSPOConfig,
+                     runs_old_policy_pass, validate_gspo_args, warn_about_setup)
 from .losses import (
     adaptive_entropy_coef,
     applied_entropy_coef,
