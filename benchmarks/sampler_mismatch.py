@@ -232,8 +232,10 @@ def gap(logps, routes, batch) -> dict:
     counted = has_route(batch["sampler_routes"]) & batch["attention_mask"].bool().cpu()
     same, pairs = agreement(routes, batch["sampler_routes"], counted)
     log_r = (logps - batch["sampler_logps"])[mask].cpu()
+    _, outside, sequences = mismatch(logps, batch["sampler_logps"], mask)
     return dict(same=same, pairs=pairs, abs_sum=float(log_r.abs().sum()), abs_max=float(log_r.abs().max()),
-                tokens=int(log_r.numel()), is_min=float(log_r.min().exp()), is_max=float(log_r.max().exp()))
+                tokens=int(log_r.numel()), is_min=float(log_r.min().exp()), is_max=float(log_r.max().exp()),
+                outside=outside, sequences=sequences)
 
 
 def train(model, tokenizer, loss: str, replay: str, rollouts: int, prompts: int, group: int, lr: float,
@@ -503,7 +505,7 @@ def vllm_main(args, model, tokenizer, seeds: int, rounds: int, prompts: int, gro
               "float32 trainer (natural routing) before any update of the round; round 1 = the pretrained weights, "
               "before any update or weight sync.")
         print("\n| engine | rounds | route agreement | mean abs log ratio | max abs log ratio | IS ratio range | "
-              "tokens |\n|---|---|---|---|---|---|---|")
+              "sequences outside GSPO's band | tokens |\n|---|---|---|---|---|---|---|---|")
         for dtype in engines:
             for label, wanted in (("1", lambda r: r == 0), (f"1-{rounds}", lambda r: True)):
                 cells = [g for s in per_seed for (name, r), g in s["gaps"].items() if name == dtype and wanted(r)]
@@ -511,7 +513,8 @@ def vllm_main(args, model, tokenizer, seeds: int, rounds: int, prompts: int, gro
                 tokens = sum(g["tokens"] for g in cells)
                 print(f"| {dtype} | {label} | {same / pairs:.4f} | {total / tokens:.4g} | "
                       f"{max(g['abs_max'] for g in cells):.4g} | {min(g['is_min'] for g in cells):.4g}-"
-                      f"{max(g['is_max'] for g in cells):.4g} | {tokens} |")
+                      f"{max(g['is_max'] for g in cells):.4g} | "
+                      f"{sum(g['outside'] for g in cells) / sum(g['sequences'] for g in cells):.4g} | {tokens} |")
                 if rounds == 1:
                     break
 
