@@ -58,8 +58,7 @@ def install(repack: bool = True, capture: bool = True) -> None:
         return
     from torch.fx.node import has_side_effect
     from trl.generation.vllm_generation import VLLMGeneration
-    from vllm._custom_ops import cpu_prepack_moe_weight
-    from vllm.model_executor.layers import linear, utils as layer_utils
+    from vllm.model_executor.layers import utils as layer_utils
     from vllm.model_executor.layers.fused_moe.experts.cpu_moe import CPUUnquantizedExperts
 
     has_side_effect(torch.ops.trl_gspo_tests.report_routes.default)  # never dead-code eliminated
@@ -86,13 +85,7 @@ def install(repack: bool = True, capture: bool = True) -> None:
     def plain_linear(layer, remove_weight):
         layer.cpu_linear = lambda x, weight, bias: torch.nn.functional.linear(x, weight, bias)
 
-    layer_utils.dispatch_cpu_unquantized_gemm = plain_linear
-    linear_module_patch = getattr(linear, "dispatch_cpu_unquantized_gemm", None)
-    if linear_module_patch is not None:  # imported by name in some versions
-        linear.dispatch_cpu_unquantized_gemm = plain_linear
-    import vllm.model_executor.layers.vocab_parallel_embedding as embedding
-    if hasattr(embedding, "dispatch_cpu_unquantized_gemm"):
-        embedding.dispatch_cpu_unquantized_gemm = plain_linear
+    layer_utils.dispatch_cpu_unquantized_gemm = plain_linear  # linear layers and the LM head import it when they run
 
     # 3. experts packed again after each weight sync
     original_process = CPUUnquantizedExperts.process_weights_after_loading
@@ -116,17 +109,14 @@ def install(repack: bool = True, capture: bool = True) -> None:
 
     if repack:
         VLLMGeneration.sync_weights = sync_weights
-    global _cpu_prepack
-    _cpu_prepack = cpu_prepack_moe_weight
     _installed = True
-
-
-_cpu_prepack = None
 
 
 @torch.no_grad()
 def repack_experts() -> int:
     """Pack, in place, the plain expert weights a weight sync wrote into CPU MoE layers; returns how many layers."""
+    from vllm._custom_ops import cpu_prepack_moe_weight
+
     count = 0
     for ref, isa in _packed_experts:
         layer = ref()
@@ -134,6 +124,6 @@ def repack_experts() -> int:
             continue
         for name in ("w13_weight", "w2_weight"):
             weight = getattr(layer, name)
-            weight.data.copy_(_cpu_prepack(weight.data, isa))
+            weight.data.copy_(cpu_prepack_moe_weight(weight.data, isa))
         count += 1
     return count
