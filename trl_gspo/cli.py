@@ -1,6 +1,7 @@
 """The `trl-gspo` command: a twin of `trl grpo` that knows `GSPOConfig` and the built-in offline quickstart.
 
     trl-gspo recipe.yaml [--any_field value ...]       (or: trl-gspo --config recipe.yaml ...)
+    trl-gspo vllm-serve --model M [...]                TRL's `trl vllm-serve`, plus MoE routes (sampling/serve.py)
 
 Recipe keys are described in `trl_gspo.recipe`. The command validates the recipe, then runs
 `accelerate launch -m trl_gspo.train <same arguments>`; running `accelerate launch [options] -m trl_gspo.train
@@ -23,7 +24,9 @@ USAGE = """usage: trl-gspo RECIPE.yaml [--key value ...] [accelerate launch opti
 Trains with GSPO (or any TRL loss type) from a TRL-style YAML recipe; command-line keys override the recipe.
   trl-gspo recipes/quickstart.yaml                 tiny model, built-in task, offline, about a minute on CPU
   trl-gspo RECIPE.yaml --dry_run true              check every key and print the resolved run, load no model
-  trl-gspo --help                                  every key (GSPOConfig, ModelConfig, script and dataset keys)"""
+  trl-gspo --help                                  every key (GSPOConfig, ModelConfig, script and dataset keys)
+  trl-gspo vllm-serve --model M [trl vllm-serve options]
+                                                   TRL's vLLM server, also returning MoE routes (server-mode R3)"""
 
 # Launched by module name: the command never imports the training code (or the trainer, or torch's models).
 TRAINING_MODULE = "trl_gspo.train"
@@ -46,6 +49,10 @@ def main(argv: list[str] | None = None) -> int:
     if not argv:
         print(USAGE, file=sys.stderr)
         return 2
+    if argv[0] == "vllm-serve":  # TRL's vLLM server, returning MoE routes too (trl_gspo/sampling/serve.py)
+        from .sampling import serve
+
+        return serve.main(argv[1:])
     note = ""
     try:
         try:

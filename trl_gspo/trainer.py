@@ -30,7 +30,7 @@ from .losses import (
 )
 from .model_checks import check_model
 from .sampling.metrics import check_sampler_round, sampling_metrics
-from .sampling.vllm import engine_dtype, engine_options, warn_on_dtype_gap
+from .sampling.vllm import capture_routes, engine_dtype, engine_options, warn_on_dtype_gap
 from .trainer_routing import TrainerRouting
 from .trl_options import apply_trl_options
 
@@ -108,7 +108,7 @@ class GSPOTrainer(GRPOTrainer):
     def _generate_single_turn(self, *args, **kwargs):
         if self._routing is None:
             return super()._generate_single_turn(*args, **kwargs)
-        target = (lambda: self.vllm_generation.llm) if self.use_vllm else (
+        target = (lambda: capture_routes(self.vllm_generation, self.accelerator)) if self.use_vllm else (
             lambda: self.accelerator.unwrap_model(self.model_wrapped))
         with self._routing.sampling(target, vllm=self.use_vllm) as finish:
             completion_ids, logprobs = super()._generate_single_turn(*args, **kwargs)

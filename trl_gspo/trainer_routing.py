@@ -2,7 +2,7 @@
 
 `GSPOTrainer` calls one `TrainerRouting` at five points of a training step and nothing else of routing:
 
-    generation (TRL)       `sampling()` around HF `generate`         R3: records the sampler's routes and log-probs
+    generation (TRL)       `sampling()` around HF `generate`/vLLM    R3: records the sampler's routes (and log-probs)
     policy passes          `policy_pass(call, ids, mask, width)`     R2: records; R3: replays the sampler's routes
     end of the round       `finish_round(output)`                    puts the routes to replay into the batch dict
     training micro-batch   `replay_for(inputs, attention_mask)`      the replay (or drift-only) context, or None
@@ -25,7 +25,6 @@ from transformers.utils import logging
 from .routing import RoutingReplay, RoutingReplayError, drift_statistics, find_routers, route_changes
 from .routing.rollout import (SampledRoutes, check_sampled_routes, has_route, pad_routes_like, record_generation,
                               route_dtype, wrapping_method)
-from .sampling.vllm import capture_outputs, routes_from_vllm
 
 logger = logging.get_logger(__name__)
 
@@ -98,16 +97,17 @@ class TrainerRouting:
     @contextlib.contextmanager
     def sampling(self, target, vllm: bool = False):
         """Around TRL's generation call (R3). `target()` gives what generates: the unwrapped model (HF `generate`:
-        the experts of every token and the sampler's log-probs are recorded here) or TRL's colocate vLLM engine
-        (its `routed_experts` are kept). Yields `finish(completion_lengths, logprobs)`, which stores the round's
-        routes and returns the sampler log-probs TRL should see, one list per completion."""
+        the experts of every token and the sampler's log-probs are recorded here), or, with `vllm=True`, a context
+        manager over TRL's vLLM call (`trl_gspo.sampling.vllm.capture_routes`: colocate at any TP size, or server).
+        Yields `finish(completion_lengths, logprobs)`, which stores the round's routes of this rank's completions
+        and returns the sampler log-probs TRL should see, one list per completion."""
         if not self._sampling:
             yield None
             return
         if vllm:
-            with capture_outputs(target()) as outputs:
+            with target() as take:
                 def finish_vllm(completion_lengths, logprobs):
-                    self._keep(routes_from_vllm(outputs, route_dtype(self.replay.num_experts, self.replay.top_k)),
+                    self._keep(take(completion_lengths, route_dtype(self.replay.num_experts, self.replay.top_k)),
                                "vLLM")
                     return logprobs  # TRL's own, from vLLM
 

