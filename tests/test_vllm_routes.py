@@ -237,7 +237,7 @@ class FakeSession:
                 completion = request.outputs[0]
                 choices.append({"prompt_token_ids": request.prompt_token_ids, "token_ids": completion.token_ids,
                                 "routed_experts": _npy_base64(completion.routed_experts) if self.with_routes else None})
-        return SimpleNamespace(ok=True, json=lambda: {"choices": choices})
+        return SimpleNamespace(ok=True, json=lambda: {"choices": choices}, raise_for_status=lambda: None)
 
 
 def _server(tokenizer, with_routes=True):
@@ -275,6 +275,31 @@ def test_server_routes_follow_trls_process_slice(tokenizer, process_index, monke
                          expected.prompt_routes[mine] + expected.completion_routes[mine]):
         assert torch.equal(got, want)
     assert "post" not in vars(client.session)  # the session's own method is back
+
+
+def test_server_is_asked_for_routes_before_training(tokenizer):
+    """GSPOTrainer's construction-time probe: one token from the server; a server without routes is refused then."""
+    from trl_gspo.sampling.vllm import check_server_returns_routes
+
+    llm, client = _server(tokenizer)
+    client.base_url, client.model = "http://h", "m"
+    check_server_returns_routes(client)
+    assert client.session.posts == ["http://h/v1/completions"]
+    client.session.with_routes = False
+    with pytest.raises(RuntimeError, match="Fix: start it with `trl-gspo vllm-serve`"):
+        check_server_returns_routes(client)
+
+
+def test_trl_gspo_vllm_serve_is_trls_server_with_routes():
+    from trl_gspo.sampling.serve import server_command
+
+    command = server_command(["--model", "Qwen/Qwen3-30B-A3B", "--tensor_parallel_size", "2", "--max-num-seqs", "8"])
+    assert command[command.index("serve") + 1] == "Qwen/Qwen3-30B-A3B"
+    assert command[command.index("--tensor-parallel-size") + 1] == "2"  # TRL's arguments, translated by TRL
+    # unknown arguments go to `vllm serve` as they are, then the flag
+    assert command[-3:] == ["--max-num-seqs", "8", "--enable-return-routed-experts"]
+    again = server_command(["--model", "m", "--enable-return-routed-experts"])
+    assert again.count("--enable-return-routed-experts") == 1  # given once, not twice
 
 
 def test_server_without_routes_names_the_command(tokenizer):

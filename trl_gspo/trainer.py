@@ -30,7 +30,8 @@ from .losses import (
 )
 from .model_checks import check_model
 from .sampling.metrics import check_sampler_round, sampling_metrics
-from .sampling.vllm import capture_routes, engine_dtype, engine_options, warn_on_dtype_gap
+from .sampling.vllm import (capture_routes, check_server_returns_routes, engine_dtype, engine_options,
+                           warn_on_dtype_gap)
 from .trainer_routing import TrainerRouting
 from .trl_options import apply_trl_options
 
@@ -77,6 +78,9 @@ class GSPOTrainer(GRPOTrainer):
         if self.use_vllm and self.vllm_mode == "colocate" and self.accelerator.is_main_process:
             trainer_dtype = torch.bfloat16 if args.bf16 else torch.float16 if args.fp16 else base.dtype
             warn_on_dtype_gap(engine_dtype(self.vllm_generation.llm), trainer_dtype)
+        sampler_routes = getattr(args, "routing_replay", "none") == "sampler"
+        if self.use_vllm and self.vllm_mode == "server" and sampler_routes and self.accelerator.is_main_process:
+            check_server_returns_routes(self.vllm_generation.vllm_client)  # R3 needs `trl-gspo vllm-serve`
         self._sampler_gap_reference = None  # mean |log r| of the first training round: the sampler/trainer baseline
         self._min_route_agreement = getattr(args, "routing_replay_min_agreement", DEFAULT_MIN_ROUTE_AGREEMENT)
         self._routing = TrainerRouting.build(base, self.args, runs_old_policy_pass(self.args),

@@ -217,6 +217,15 @@ def routes_from_server(choices: list[dict], index_dtype: torch.dtype = torch.uin
     return routes_from_vllm(requests, index_dtype, server=True)
 
 
+def check_server_returns_routes(client) -> None:
+    """Server mode with R3, at construction: ask the server for one token and refuse now, before any training
+    compute, if its answer carries no routes (a server started with plain `trl vllm-serve`) or malformed ones."""
+    response = client.session.post(f"{client.base_url}/v1/completions", json={
+        "model": client.model, "prompt": [[0]], "max_tokens": 1, "return_token_ids": True})
+    response.raise_for_status()
+    routes_from_server(response.json()["choices"])  # raises naming the cause and the command
+
+
 @contextlib.contextmanager
 def capture_server_choices(client):
     """Keep the choices of every `/v1/completions` answer TRL's `VLLMClient` receives inside the block (TRL reads
