@@ -192,8 +192,9 @@ def slice_routes(sampled: SampledRoutes, start: int, completion_lengths: list[in
     lengths = [len(routes) for routes in kept.completion_routes]  # one row per completion token
     if lengths != list(completion_lengths):
         raise RuntimeError(
-            f"routing_replay='sampler': the routes of completions {start}..{stop - 1} of the {len(sampled.prompt_routes)}"
-            f" vLLM returned have lengths {lengths}, but TRL kept completions of lengths {list(completion_lengths)} "
+            f"routing_replay='sampler': the routes of completions {start}..{stop - 1} of the "
+            f"{len(sampled.prompt_routes)} vLLM returned have lengths {lengths}, but TRL kept completions of lengths "
+            f"{list(completion_lengths)} "
             "for this rank, so they would be replayed on other tokens. Fix: report this with your TRL and vLLM "
             "versions; set routing_replay='old'.")
     return kept
