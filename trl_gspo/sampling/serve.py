@@ -9,7 +9,9 @@ server mode:
 
     CUDA_VISIBLE_DEVICES=4,5,6,7 trl-gspo vllm-serve --model Qwen/Qwen3-30B-A3B --tensor-parallel-size 4
 
-Any argument `trl vllm-serve` does not know is passed to `vllm serve` as it is (TRL's own behaviour).
+Any argument `trl vllm-serve` does not know is passed to `vllm serve` as it is (TRL's own behaviour). It is meant
+for Mixture-of-Experts models; a dense model has no routes to return, so serve it with `trl vllm-serve` (whether vLLM
+accepts the flag for a dense model was not tried). vLLM refuses the flag with pipeline parallelism.
 """
 
 from __future__ import annotations
