@@ -264,7 +264,9 @@ def test_server_routes_follow_trls_process_slice(tokenizer, process_index, monke
     accelerator = SimpleNamespace(is_main_process=main, num_processes=2, process_index=process_index)
     with capture_routes(generation, accelerator) as take:
         if main:  # TRL's VLLMClient.generate, which reads the same answer
-            answer = client.session.post("http://h/v1/completions", json={"prompt": prompts}).json()
+            response = client.session.post("http://h/v1/completions", json={"prompt": prompts})
+            assert response.json() is response.json()  # parsed once, by the capture; TRL's read reuses it
+            answer = response.json()
             assert [c["token_ids"] for c in answer["choices"]] == [COMPLETIONS[0], COMPLETIONS[0],
                                                                   COMPLETIONS[2], COMPLETIONS[2]]
     lengths = [[3, 3], [5, 5]][process_index]

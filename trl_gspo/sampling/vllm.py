@@ -54,7 +54,7 @@ SERVER_ROUTES_FLAG = "--enable-return-routed-experts"  # vLLM's `vllm serve` opt
 def check_vllm_routes(args) -> None:
     """Refuse `routing_replay='sampler'` with vLLM where routes cannot come back (raises `ValueError` with the fix).
     Colocate mode (any tensor-parallel size) and server mode are supported; the server must be started with
-    `trl-gspo vllm-serve`, which is checked on its first answer (`routes_from_server`)."""
+    `trl-gspo vllm-serve`, which GSPOTrainer checks once it is connected (`check_server_returns_routes`)."""
     if args.vllm_mode not in ("colocate", "server"):
         raise ValueError(f"`routing_replay`: 'sampler' with vllm_mode={args.vllm_mode!r}: TRL knows 'colocate' and "
                          "'server'. Fix: set one of them, or routing_replay='old'.")
@@ -230,14 +230,17 @@ def check_server_returns_routes(client) -> None:
 @contextlib.contextmanager
 def capture_server_choices(client):
     """Keep the choices of every `/v1/completions` answer TRL's `VLLMClient` receives inside the block (TRL reads
-    their tokens and log-probs, and drops their routes). Wraps the client's `requests.Session.post`."""
+    their tokens and log-probs, and drops their routes). Wraps the client's `requests.Session.post`; the answer is
+    parsed once, here, and TRL's client reads the same parsed body (with routes it is large: docs/gpus.md)."""
     choices = []
 
     def keeping(original):
         def post(url, *args, **kwargs):
             response = original(url, *args, **kwargs)
             if str(url).endswith("/v1/completions") and response.ok:
-                choices.extend(response.json()["choices"])
+                body = response.json()
+                response.json = lambda **_: body
+                choices.extend(body["choices"])
             return response
         return post
 
