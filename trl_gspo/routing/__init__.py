@@ -6,5 +6,5 @@ from .rollout import (GenerationRecording, SampledRoutes, check_sampled_routes, 
                       record_generation, route_dtype)
 
 __all__ = ["GenerationRecording", "Recording", "RoutingReplay", "RoutingReplayError", "SampledRoutes",
-           "check_sampled_routes", "drift_statistics", "find_routers", "has_route", "no_route", "pad_routes_like", "record_generation",
-           "route_changes", "route_dtype"]
+           "check_sampled_routes", "drift_statistics", "find_routers", "has_route", "no_route", "pad_routes_like",
+           "record_generation", "route_changes", "route_dtype"]

@@ -51,7 +51,8 @@ def mismatch_sums(logps: torch.Tensor, sampler_logps: torch.Tensor, mask: torch.
     outside_band = nonempty & ((log_s < math.log1p(-eps_low)) | (log_s > math.log1p(eps_high)))
     sums = {
         "tokens": tokens.sum(), "missing": (mask.bool() & ~present).double().sum(), "masked": mask.double().sum(),
-        "ratio": (ratio * tokens).sum(), "abs_log_r": (log_r.abs() * tokens).sum(), "outside_half_double": (((ratio < 0.5) | (ratio > 2.0)) & present).double().sum(),
+        "ratio": (ratio * tokens).sum(), "abs_log_r": (log_r.abs() * tokens).sum(),
+        "outside_half_double": (((ratio < 0.5) | (ratio > 2.0)) & present).double().sum(),
         "k3": ((ratio - 1 - log_r) * tokens).sum(), "ratio_sq": (ratio.square() * tokens).sum(),
         "sequences": nonempty.double().sum(), "seq_ratio": (log_s.exp() * nonempty).sum(),
         "seq_outside_band": outside_band.double().sum(),
