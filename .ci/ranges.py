@@ -1,6 +1,7 @@
 """The ends of pyproject.toml's dependency ranges, as released on the package index pip is configured with.
 
     python .ci/ranges.py oldest|newest      one `name==version` per line: the lowest / highest release each range admits
+    python .ci/ranges.py oldest|newest --not-installed      only the pins this environment does not have
     python .ci/ranges.py table              name, range, oldest, newest, installed (for the CI log)
 
 Covers the small wheels CI can install in minutes (torch is covered elsewhere: .ci/compat's header). Read-only.
@@ -46,17 +47,17 @@ def installed(name: str) -> str:
         return "-"
 
 
-def main(what: str) -> None:
+def main(what: str, not_installed: bool = False) -> None:
     for name, requirement in ranges().items():
         versions = admitted(requirement)
-        if what == "oldest":
-            print(f"{name}=={versions[0]}")
-        elif what == "newest":
-            print(f"{name}=={versions[-1]}")
+        if what in ("oldest", "newest"):
+            version = versions[0] if what == "oldest" else versions[-1]
+            if not (not_installed and installed(name) == str(version)):
+                print(f"{name}=={version}")
         else:
             print(f"{name:13} {str(requirement.specifier):16} oldest {str(versions[0]):8} newest "
                   f"{str(versions[-1]):8} installed {installed(name)}")
 
 
 if __name__ == "__main__":
-    main(sys.argv[1] if len(sys.argv) > 1 else "table")
+    main(sys.argv[1] if len(sys.argv) > 1 else "table", "--not-installed" in sys.argv[2:])
