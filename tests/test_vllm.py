@@ -44,12 +44,19 @@ def _two_processes(config_file):
             "2", "--main_process_port", str(_free_port())]
 
 
+def _build_model_dir(path):
+    sys.path.insert(0, str(SCRIPT.parent))
+    from vllm_run import build_model_dir
+
+    return build_model_dir(Path(path))
+
+
 def _run(out_dir, launch=(), expect_failure=False, bind=None, model_dir=None, **options):
     """Train in a subprocess; `bind`: vLLM's CPU worker thread binding (TP), `model_dir`: the model to load."""
     command = [*(launch or [sys.executable]), str(SCRIPT), str(out_dir), json.dumps(options)]
     extra = {"VLLM_CPU_OMP_THREADS_BIND": bind} if bind else {}
-    if model_dir:
-        extra["TRL_GSPO_VLLM_MODEL_DIR"] = str(model_dir)
+    # Built here, before any rank starts, so ranks only read it.
+    extra["TRL_GSPO_VLLM_MODEL_DIR"] = str(_build_model_dir(model_dir or out_dir / "model"))
     result = subprocess.run(command, capture_output=True, text=True, timeout=900,
                             env=cpu_env(VLLM_CPU_KVCACHE_SPACE="1", MASTER_PORT=str(_free_port()),
                                         TOKENIZERS_PARALLELISM="false", **extra))
@@ -201,10 +208,9 @@ def vllm_server(tmp_path_factory):
     would, so replaying them is visible. Yields (url, trainer's model dir)."""
     sys.path.insert(0, str(SCRIPT.parent))
     import vllm_cpu_engine
-    from vllm_run import build_model_dir
 
     root = tmp_path_factory.mktemp("server")
-    trainer_dir = build_model_dir(root / "model")
+    trainer_dir = _build_model_dir(root / "model")
     served_dir = root / "served"
     _perturbed_router_copy(trainer_dir, served_dir)
     port = _free_port()

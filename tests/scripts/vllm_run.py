@@ -53,15 +53,29 @@ class Warnings(logging.Handler):
 
 
 def build_model_dir(path: Path):
-    """The tiny Qwen3-MoE of the quickstart, head_dim 32 (vLLM's CPU attention refuses 24), saved for vLLM."""
+    """The tiny Qwen3-MoE of the quickstart, head_dim 32 (vLLM's CPU attention refuses 24), saved for vLLM.
+
+    Written to a temporary directory and renamed into place, so a process that finds `path` finds it whole: under
+    `accelerate launch` every rank calls this (CI once saw rank 1 load the directory while rank 0 was writing it)."""
+    import tempfile
+
     from trl_gspo.quickstart.model import build_model
     from trl_gspo.quickstart.tokenizer import build_tokenizer
 
-    if not (path / "config.json").exists():
-        tokenizer = build_tokenizer()
-        model = build_model(tokenizer, config_overrides={"head_dim": 32})
-        model.save_pretrained(path)
-        tokenizer.save_pretrained(path)
+    if path.exists():
+        return path
+    path.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{path.name}-", dir=path.parent))
+    tokenizer = build_tokenizer()
+    model = build_model(tokenizer, config_overrides={"head_dim": 32})
+    model.save_pretrained(staging)
+    tokenizer.save_pretrained(staging)
+    try:
+        staging.rename(path)
+    except OSError:  # another process renamed its copy first: same seed, same model; keep theirs
+        import shutil
+
+        shutil.rmtree(staging)
     return path
 
 
