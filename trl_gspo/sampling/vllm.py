@@ -153,9 +153,10 @@ def routes_from_vllm(request_outputs, index_dtype: torch.dtype = torch.uint8, *,
             if routes is None and server:
                 raise RuntimeError("routing_replay='sampler': the vLLM server returned a completion without "
                                    "`routed_experts`. Cause: it was started without "
-                                   f"{SERVER_ROUTES_FLAG} (plain `trl vllm-serve`), or its vLLM predates routes in "
-                                   "/v1/completions. Fix: start it with `trl-gspo vllm-serve` (same arguments as "
-                                   "`trl vllm-serve`), or set routing_replay='old'.")
+                                   f"{SERVER_ROUTES_FLAG} (plain `trl vllm-serve`), it serves a model without experts "
+                                   "(`trl-gspo vllm-serve` leaves the flag out for one), or its vLLM predates routes "
+                                   "in /v1/completions. Fix: start it with `trl-gspo vllm-serve` (same arguments as "
+                                   "`trl vllm-serve`) on the policy's MoE model, or set routing_replay='old'.")
             if routes is None:
                 raise RuntimeError("routing_replay='sampler': vLLM returned a completion without `routed_experts`. "
                                    "Cause: its engine was built without enable_return_routed_experts=True, or the "
