@@ -30,6 +30,7 @@ pytestmark = [pytest.mark.vllm, pytest.mark.slow,
 SCRIPT = Path(__file__).parent / "scripts" / "vllm_run.py"
 ZERO3 = Path(__file__).parents[1] / "recipes" / "accelerate" / "cpu_zero3.yaml"
 DDP = Path(__file__).parents[1] / "recipes" / "accelerate" / "cpu_ddp.yaml"
+sys.path.insert(0, str(SCRIPT.parent))  # vllm_run (the test model) and vllm_cpu_engine (the server's plugin)
 # Round-1 (token, layer) route agreement of a bf16 engine with the float32 trainer, same weights: 0.995-1.0 measured
 # with this model (0.96-0.997 on others); a margin below that.
 MIN_AGREEMENT = 0.95
@@ -47,7 +48,6 @@ def _two_processes(config_file):
 
 
 def _build_model_dir(path):
-    sys.path.insert(0, str(SCRIPT.parent))
     from vllm_run import build_model_dir
 
     return build_model_dir(Path(path))
@@ -207,7 +207,6 @@ def test_tensor_parallel_2_under_zero3_syncs_every_round(tmp_path):
 def _serving(root, model_dir):
     """A real vLLM server, `trl-gspo vllm-serve --model MODEL_DIR` on loopback, until the block ends; yields its URL.
     Its processes load tests/vllm_cpu_engine.py as a vLLM plugin (route capture in the CPU MoE kernel)."""
-    sys.path.insert(0, str(SCRIPT.parent))
     import vllm_cpu_engine
 
     port = _free_port()

@@ -304,11 +304,6 @@ def test_trl_gspo_vllm_serve_is_trls_server_with_routes():
     assert again.count("--enable-return-routed-experts") == 1  # given once, not twice
 
 
-def _saved_config(directory, config):
-    config.save_pretrained(directory)
-    return str(directory)
-
-
 @pytest.mark.parametrize("family", ["qwen3_moe", "mixtral", "granitemoe", "deepseek_v3", "qwen3"])
 def test_trl_gspo_vllm_serve_asks_for_routes_only_from_moe_models(tmp_path, capsys, family):
     """vLLM refuses --enable-return-routed-experts for a model without experts (its engine stops at start-up,
@@ -318,7 +313,8 @@ def test_trl_gspo_vllm_serve_asks_for_routes_only_from_moe_models(tmp_path, caps
 
     from trl_gspo.sampling.serve import SERVER_ROUTES_FLAG, config_has_experts, server_command
 
-    model = _saved_config(tmp_path, AutoConfig.for_model(family))
+    AutoConfig.for_model(family).save_pretrained(tmp_path)
+    model = str(tmp_path)
     dense = family == "qwen3"
     assert config_has_experts(model) is (not dense)
     assert (SERVER_ROUTES_FLAG in server_command(["--model", model])) is (not dense)

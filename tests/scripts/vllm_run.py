@@ -22,7 +22,9 @@ raw `RequestOutput`s, independently of trl_gspo.sampling.vllm), and once with na
 import json
 import logging
 import os
+import shutil
 import sys
+import tempfile
 from pathlib import Path
 
 import torch
@@ -57,8 +59,6 @@ def build_model_dir(path: Path):
 
     Written to a temporary directory and renamed into place, so a process that finds `path` finds it whole: under
     `accelerate launch` every rank calls this (CI once saw rank 1 load the directory while rank 0 was writing it)."""
-    import tempfile
-
     from trl_gspo.quickstart.model import build_model
     from trl_gspo.quickstart.tokenizer import build_tokenizer
 
@@ -72,10 +72,10 @@ def build_model_dir(path: Path):
     tokenizer.save_pretrained(staging)
     try:
         staging.rename(path)
-    except OSError:  # another process renamed its copy first: same seed, same model; keep theirs
-        import shutil
-
-        shutil.rmtree(staging)
+    except OSError:
+        if not path.exists():
+            raise
+        shutil.rmtree(staging)  # another process renamed its copy first: same seed, same model; keep theirs
     return path
 
 
