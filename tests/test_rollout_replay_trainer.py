@@ -123,10 +123,14 @@ def test_r3_refusals_name_the_fix(tmp_path, tokenizer):
         _trainer(tokenizer, tmp_path, model=build_dense_model(tokenizer))
     with pytest.raises(ValueError, match="continuous batching.*Fix"):
         tiny_config(tmp_path, routing_replay="sampler", use_transformers_continuous_batching=True)
-    with pytest.raises(ValueError, match="rollout_func change them.*Fix: set routing_replay='old'"):
-        GSPOTrainer(build_model(tokenizer), digit_reward, args=tiny_config(tmp_path, routing_replay="sampler"),
-                    train_dataset=toy_dataset(), processing_class=tokenizer,
-                    rollout_func=lambda prompts, trainer: {})
+    def rollout_without_routes(prompts, trainer):  # a custom agent loop that returns no routes
+        ids = [tokenizer(p)["input_ids"] for p in prompts]
+        return {"prompt_ids": ids, "completion_ids": [[5, 6, 2]] * len(ids), "logprobs": [[-1.0] * 3] * len(ids)}
+
+    trainer = GSPOTrainer(build_model(tokenizer), digit_reward, args=tiny_config(tmp_path, routing_replay="sampler"),
+                          train_dataset=toy_dataset(), processing_class=tokenizer, rollout_func=rollout_without_routes)
+    with pytest.raises(ValueError, match="rollout_func needs the routes.*'routed_experts'.*Fix"):
+        trainer.train()  # refused right after the rollout, before any policy pass
 
 
 def test_r3_replays_on_policy_too(tmp_path, tokenizer):

@@ -119,3 +119,31 @@ def test_sampler_drift_rule():
     assert not sampler_drifted(0.025, 0.027) and not sampler_drifted(0.025, 0.07)
     assert sampler_drifted(0.025, 0.424) and sampler_drifted(0.025, 0.101)
     assert not sampler_drifted(1e-7, 0.02) and sampler_drifted(1e-7, 0.051)
+
+
+def _round_warnings(caplog, rounds, dtypes=("bfloat16", "float32")):
+    """check_sampler_round over successive rounds' gaps; the warnings logged, one list per round."""
+    from trl_gspo.sampling.metrics import check_sampler_round
+
+    reference, seen = None, []
+    for gap in rounds:
+        caplog.clear()
+        reference = check_sampler_round({"sampling/abs_log_ratio_mean": gap}, reference, 0.0, dtypes)
+        seen.append([r.getMessage() for r in caplog.records])
+    return seen
+
+
+def test_a_sampler_wrong_from_the_first_round_is_announced_at_once(caplog):
+    from trl_gspo.sampling.metrics import SAMPLER_GAP_FLOOR
+
+    caplog.set_level("WARNING")
+    # wrong from round 1 (another checkpoint): the first round sets the drift baseline, so only the floor can see it
+    first, second = _round_warnings(caplog, [0.8, 0.8])
+    assert len(first) == 1 and first[0].startswith("SAMPLER GAP") and "0.8000" in first[0]
+    assert "bfloat16 sampler against a float32 trainer" in first[0] and "first round" in first[0]
+    assert len(second) == 1 and second[0].startswith("SAMPLER GAP")  # and every round it stays wrong
+    # a healthy precision gap (bf16 engine vs float32 trainer, measured up to 0.03) stays quiet, at the floor too
+    assert _round_warnings(caplog, [0.03, 0.025, SAMPLER_GAP_FLOOR]) == [[], [], []]
+    # a sync that breaks later: one drift warning per round, not two
+    later = _round_warnings(caplog, [0.025, 0.7, 0.42])
+    assert later[0] == [] and all(len(w) == 1 and w[0].startswith("SAMPLER DRIFT") for w in later[1:])

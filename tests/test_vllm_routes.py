@@ -115,7 +115,7 @@ def test_trls_colocate_engine_is_built_with_the_flag(monkeypatch):
 
 
 def test_trainer_passes_the_engine_options():
-    from trl_gspo.trainer import _engine_options
+    from trl_gspo.sampling.vllm import trainer_engine_options as _engine_options
 
     assert _engine_options(SimpleNamespace(routing_replay="none", vllm_dtype="auto")) == {}
     assert _engine_options(SimpleNamespace(routing_replay="sampler", vllm_dtype="float32")) == dict(

@@ -317,3 +317,13 @@ def warn_about_setup(args) -> None:
             "(GSPO then coincides with GRPO). For the paper's off-policy setup set steps_per_generation to "
             "4 x gradient_accumulation_steps or num_iterations > 1.",
         )
+
+
+def refuse_unused_token_advantages(overridden: bool, trainer_name: str, loss_type: str) -> None:
+    """Only `loss_type="gspo_token"` calls `GSPOTrainer.token_advantages`; an override (`overridden`) under any
+    other loss type would be silently ignored (training would run on per-sequence advantages): refuse it."""
+    if overridden and loss_type != "gspo_token":
+        raise ValueError(
+            f"`loss_type`: {trainer_name} overrides `token_advantages`, which only loss_type='gspo_token' calls; with "
+            f"loss_type={loss_type!r} the override would be silently ignored. Fix: set loss_type='gspo_token' (or "
+            "remove the override).")

@@ -16,7 +16,7 @@ from . import metrics as gspo_metrics
 from .checkpoints import (has_full_weights, load_full_weights, resolve_resume_from_checkpoint, restore_rollout_state,
                           rollout_buffer_path, rollout_layout, save_rollout_buffer)
 from .config import (DEFAULT_MIN_ROUTE_AGREEMENT, GSPO_LOSS_TYPES, PAPER_EPSILON_HIGH, PAPER_EPSILON_LOW, GSPOConfig,
-                     runs_old_policy_pass, validate_gspo_args, warn_about_setup)
+                     refuse_unused_token_advantages, runs_old_policy_pass, validate_gspo_args, warn_about_setup)
 from .losses import (
     adaptive_entropy_coef,
     applied_entropy_coef,
@@ -29,9 +29,8 @@ from .losses import (
     raise_if_nonfinite,
 )
 from .model_checks import check_model
-from .sampling.metrics import check_sampler_round, sampling_metrics
-from .sampling.vllm import (capture_routes, check_server_returns_routes, engine_dtype, engine_options,
-                           warn_on_dtype_gap)
+from .sampling.metrics import SamplerWatch, log_turns, sampling_metrics
+from .sampling.vllm import capture_routes, check_sampler_at_start, engine_options, trainer_engine_options
 from .trainer_routing import TrainerRouting
 from .trl_options import apply_trl_options
 
@@ -67,24 +66,20 @@ class GSPOTrainer(GRPOTrainer):
             args = GSPOConfig(output_dir=f"{str(name).rstrip('/').split('/')[-1] or 'model'}-GSPO")
         # Validate before TRL loads models or datasets: a bad option should cost nothing.
         validate_gspo_args(args)
-        _refuse_unused_token_advantages(type(self), args)
+        refuse_unused_token_advantages(type(self).token_advantages is not GSPOTrainer.token_advantages,
+                                       type(self).__name__, args.loss_type)
         check_model(model, args)  # trl_gspo/model_checks.py: unsupported architectures fail here, not mid-step
         if args.loss_type in GSPO_LOSS_TYPES:
             warn_about_setup(args)
-        with engine_options(**_engine_options(args)) if args.use_vllm else contextlib.nullcontext():
+        with engine_options(**trainer_engine_options(args)) if args.use_vllm else contextlib.nullcontext():
             super().__init__(model, reward_funcs, args, *positional, **kwargs)
         base = self.accelerator.unwrap_model(self.model)
         base = base.get_base_model() if hasattr(base, "get_base_model") else base
-        if self.use_vllm and self.vllm_mode == "colocate" and self.accelerator.is_main_process:
-            trainer_dtype = torch.bfloat16 if args.bf16 else torch.float16 if args.fp16 else base.dtype
-            warn_on_dtype_gap(engine_dtype(self.vllm_generation.llm), trainer_dtype)
-        sampler_routes = getattr(args, "routing_replay", "none") == "sampler"
-        if self.use_vllm and self.vllm_mode == "server" and sampler_routes and self.accelerator.is_main_process:
-            check_server_returns_routes(self.vllm_generation.vllm_client)  # R3 needs `trl-gspo vllm-serve`
-        self._sampler_gap_reference = None  # mean |log r| of the first training round: the sampler/trainer baseline
-        self._min_route_agreement = getattr(args, "routing_replay_min_agreement", DEFAULT_MIN_ROUTE_AGREEMENT)
+        # warns on a dtype gap; server mode with R3: refuses a server that returns no routes (`trl-gspo vllm-serve`)
+        self._sampler_watch = SamplerWatch(getattr(args, "routing_replay_min_agreement", DEFAULT_MIN_ROUTE_AGREEMENT),
+                                           check_sampler_at_start(self, base))
         self._routing = TrainerRouting.build(base, self.args, runs_old_policy_pass(self.args),
-                                             rewrites_completions=bool(self.tools or self.rollout_func))
+                                             multi_turn=bool(self.tools), num_processes=self.accelerator.num_processes)
         self._replay_stack, self._replay_opened = None, False  # open while a micro-batch runs forward and backward
 
     # ------------------------------------------------------------------ MoE routing (trl_gspo/trainer_routing.py)
@@ -105,8 +100,7 @@ class GSPOTrainer(GRPOTrainer):
             for name, value in values.items():
                 self._metrics[mode][name].append(value)
             if mode == "train":  # stops on implausible R3 routes, announces a sampler drift (docs/sampling.md)
-                self._sampler_gap_reference = check_sampler_round(values, self._sampler_gap_reference,
-                                                                  self._min_route_agreement)
+                self._sampler_watch.check(values)
         return output
 
     def _generate_single_turn(self, *args, **kwargs):
@@ -116,9 +110,17 @@ class GSPOTrainer(GRPOTrainer):
             lambda: self.accelerator.unwrap_model(self.model_wrapped))
         with self._routing.sampling(target, vllm=self.use_vllm) as finish:
             completion_ids, logprobs = super()._generate_single_turn(*args, **kwargs)
-            if finish is not None:  # R3: the round's sampler routes, and the sampler's log-probs for TRL
-                logprobs = finish([len(ids) for ids in completion_ids], logprobs)
+            if finish is not None:  # R3: this call's sampler routes, and the sampler's log-probs for TRL
+                logprobs = finish(args[0] if args else kwargs["prompt_ids"], completion_ids, logprobs)
         return completion_ids, logprobs
+
+    def _generate(self, prompts):
+        output = super()._generate(prompts)  # (prompt_ids, completion_ids, tool_mask, ..., extra_fields, ...)
+        if self._routing is not None:  # R3: one route per token, stitched across a tool loop's turns
+            self._routing.end_sampling(output[0], output[1], output[5])
+        if output[2] is not None:  # a tool loop or a rollout_func's env_mask: model turns per sample
+            log_turns(self.accelerator, self._metrics["train" if self.model.training else "eval"], output[2])
+        return output
 
     def _get_per_token_logps_and_entropies(self, model, input_ids, attention_mask, logits_to_keep, *args, **kwargs):
         call = lambda: super(GSPOTrainer, self)._get_per_token_logps_and_entropies(  # noqa: E731
@@ -161,10 +163,9 @@ class GSPOTrainer(GRPOTrainer):
 
     # ------------------------------------------------------------------ checkpoints (trl_gspo/checkpoints.py)
     def train(self, resume_from_checkpoint=None, *args, **kwargs):
-        """`Trainer.train`, where `resume_from_checkpoint` may also be `"true"` / `"latest"` (the newest *complete*
-        checkpoint in `output_dir`; incomplete ones are skipped with a warning naming each), and a resume in the
-        middle of a rollout batch continues on the saved rollout batch, so it trains exactly as the uninterrupted
-        run."""
+        """`Trainer.train`; `resume_from_checkpoint` may also be `"true"` / `"latest"` (the newest *complete*
+        checkpoint in `output_dir`, skipping incomplete ones with a warning naming each). A resume in the middle of a
+        rollout batch continues on the saved rollout batch, so it trains exactly as the uninterrupted run."""
         warn = logger.warning if self.accelerator.is_main_process else (lambda message: None)
         checkpoint = resolve_resume_from_checkpoint(resume_from_checkpoint, self.args.output_dir, warn=warn)
         if checkpoint is not None:
@@ -198,7 +199,6 @@ class GSPOTrainer(GRPOTrainer):
             return super()._load_from_checkpoint(resume_from_checkpoint, model)
         load_full_weights(model, resume_from_checkpoint)
 
-    # ------------------------------------------------------------------ extension point
     def token_advantages(self, inputs: dict, mask: torch.Tensor) -> torch.Tensor:
         """Advantages per completion token, `(B, T)`, used by `loss_type="gspo_token"`.
 
@@ -298,24 +298,3 @@ class GSPOTrainer(GRPOTrainer):
         for name, value in zip(values, host[3:]):
             self._metrics[mode][name].append(value)
 
-
-def _engine_options(args) -> dict:
-    """What GSPOTrainer adds to TRL's colocate vLLM engine: routed experts for R3, the dtype the user chose."""
-    options = {}
-    if getattr(args, "routing_replay", "none") == "sampler":
-        options["enable_return_routed_experts"] = True
-    if getattr(args, "vllm_dtype", "auto") != "auto":
-        options["dtype"] = args.vllm_dtype
-    return options
-
-
-def _refuse_unused_token_advantages(trainer_cls, args) -> None:
-    """Only `loss_type="gspo_token"` calls `token_advantages`; an override under any other loss type would be
-    silently ignored (training would run on per-sequence advantages), so refuse it at construction."""
-    if trainer_cls.token_advantages is GSPOTrainer.token_advantages or args.loss_type == "gspo_token":
-        return
-    raise ValueError(
-        f"`loss_type`: {trainer_cls.__name__} overrides `token_advantages`, which only loss_type='gspo_token' "
-        f"calls; with loss_type={args.loss_type!r} the override would be silently ignored. "
-        "Fix: set loss_type='gspo_token' (or remove the override)."
-    )

@@ -3,6 +3,7 @@
 `GSPOTrainer` calls one `TrainerRouting` at five points of a training step and nothing else of routing:
 
     generation (TRL)       `sampling()` around HF `generate`/vLLM    R3: records the sampler's routes (and log-probs)
+    end of TRL's rollout   `end_sampling(prompts, completions, ..)`  R3: one route per token, stitched across turns
     policy passes          `policy_pass(call, ids, mask, width)`     R2: records; R3: replays the sampler's routes
     end of the round       `finish_round(output)`                    puts the routes to replay into the batch dict
     training micro-batch   `replay_for(inputs, attention_mask)`      the replay (or drift-only) context, or None
@@ -25,10 +26,13 @@ from transformers.utils import logging
 from .routing import RoutingReplay, RoutingReplayError, drift_statistics, find_routers, route_changes
 from .routing.rollout import (SampledRoutes, check_sampled_routes, has_route, pad_routes_like, record_generation,
                               route_dtype, wrapping_method)
+from .routing.turns import SamplerCall, stitch_turns
+from .sampling.vllm import routes_from_rollout_func
 
 logger = logging.get_logger(__name__)
 
 ROUTING_KEY = "routing_indices"  # batch-first: TRL's shuffle and split keep it aligned with its samples
+ROLLOUT_ROUTES_KEY = "routed_experts"  # a rollout_func's routes, per sample (vLLM's name and layout)
 
 
 class TrainerRouting:
@@ -41,7 +45,8 @@ class TrainerRouting:
         self.temperature = temperature
         self._recordings = None  # (logps, indices) of each policy pass in the current generation round (R2)
         self._sampling = False  # inside a training generation round with R3
-        self._sampled: list[SampledRoutes] = []  # the current round's sampler routes, one entry per generate call
+        self._calls: list[SamplerCall] = []  # the current round's sampler calls (one per turn of a tool loop)
+        self._stitched: SampledRoutes | None = None  # the round's routes, one entry per sample (end_sampling)
         self._sampler_routes = None  # padded sampler routes of the current round (R3)
         self._round_counts = None  # R3: sampler routes vs the old-policy pass's natural routes, per layer
         self._round_changed = None  # R3: [B, completion] tokens whose scoring position the sampler routed otherwise
@@ -52,15 +57,15 @@ class TrainerRouting:
         self._adapter_layer = _first_adapter_layer(replay.model)  # PEFT: tells TRL's reference pass from the others
 
     @classmethod
-    def build(cls, model, args, old_pass_runs: bool, rewrites_completions: bool = False) -> TrainerRouting | None:
+    def build(cls, model, args, old_pass_runs: bool, multi_turn: bool = False,
+              num_processes: int = 1) -> TrainerRouting | None:
         """Routing for `model` (unwrapped, PEFT base model). None when there is nothing to measure; raises
-        `ValueError` when replay was asked for and cannot work. `rewrites_completions`: tool calls or a custom
-        rollout function change completions after sampling, so sampler routes would not line up with them."""
+        `ValueError` when replay was asked for and cannot work. `multi_turn`: TRL's tool loop runs (tools or
+        `environment_factory`): sampler routes are stitched across turns, which TRL's vLLM layouts that slice one
+        call's results over several processes cannot give (below)."""
         mode = getattr(args, "routing_replay", "none")
-        if mode == "sampler" and rewrites_completions:
-            raise ValueError("`routing_replay`: 'sampler' lays the sampler's routes over the completions it "
-                             "generated; tool calls and a custom rollout_func change them after sampling. Fix: set "
-                             "routing_replay='old'.")
+        if mode == "sampler" and multi_turn and args.use_vllm:
+            _refuse_sliced_tool_turns(args, num_processes)
         if not find_routers(model):
             if mode != "none":
                 raise ValueError(f"`routing_replay`: {type(model).__name__} has no MoE router to replay. Fix: set "
@@ -87,7 +92,8 @@ class TrainerRouting:
     def round(self, training: bool):
         """A generation round (`_generate_and_score_completions`). R2 records every policy pass of it."""
         self._recordings = [] if (training and self.old_pass_runs and self.mode != "sampler") else None
-        self._sampled, self._sampler_routes, self._round_counts, self._round_changed = [], None, None, None
+        self._calls, self._stitched, self._sampler_routes = [], None, None
+        self._round_counts, self._round_changed = None, None
         self._sampling = training and self.mode == "sampler"
         try:
             yield
@@ -99,16 +105,16 @@ class TrainerRouting:
         """Around TRL's generation call (R3). `target()` gives what generates: the unwrapped model (HF `generate`:
         the experts of every token and the sampler's log-probs are recorded here), or, with `vllm=True`, a context
         manager over TRL's vLLM call (`trl_gspo.sampling.vllm.capture_routes`: colocate at any TP size, or server).
-        Yields `finish(completion_lengths, logprobs)`, which stores the round's routes of this rank's completions
-        and returns the sampler log-probs TRL should see, one list per completion."""
+        Yields `finish(prompt_ids, completion_ids, logprobs)` (this call's token lists, TRL's), which keeps the call's
+        routes of this rank's completions and returns the sampler log-probs TRL should see, one list per completion."""
         if not self._sampling:
             yield None
             return
         if vllm:
             with target() as take:
-                def finish_vllm(completion_lengths, logprobs):
-                    self._keep(take(completion_lengths, route_dtype(self.replay.num_experts, self.replay.top_k)),
-                               "vLLM")
+                def finish_vllm(prompt_ids, completion_ids, logprobs):
+                    dtype = route_dtype(self.replay.num_experts, self.replay.top_k)
+                    self._keep(prompt_ids, completion_ids, take([len(ids) for ids in completion_ids], dtype), "vLLM")
                     return logprobs  # TRL's own, from vLLM
 
                 yield finish_vllm
@@ -125,31 +131,52 @@ class TrainerRouting:
 
         with wrapping_method(target(), "generate", capturing):
             with record_generation(self.replay, self.temperature) as recording:
-                def finish(completion_lengths, logprobs):
+                def finish(prompt_ids, completion_ids, logprobs):
                     if "sequences" not in captured:
                         raise RuntimeError("routing_replay='sampler': TRL generated without calling the model's "
                                            "`generate`, so no sampler routes were recorded. Fix: use HF generation "
                                            "(not continuous batching) or vLLM, or set routing_replay='old'.")
-                    sampled = recording.per_sample(captured["sequences"], captured["prompt_mask"], completion_lengths)
-                    self._keep(sampled, "HF generate")
+                    sampled = recording.per_sample(captured["sequences"], captured["prompt_mask"],
+                                                   [len(ids) for ids in completion_ids])
+                    self._keep(prompt_ids, completion_ids, sampled, "HF generate")
                     return [logps.tolist() for logps in sampled.sampler_logps]
 
                 yield finish
 
-    def _keep(self, sampled: SampledRoutes, source: str) -> None:
+    def _keep(self, prompt_ids, completion_ids, sampled: SampledRoutes, source: str) -> None:
         """Validate one generate call's routes (before anything replays them) and keep them for the round."""
         check_sampled_routes(sampled, self.replay.num_experts, self.replay.top_k, source)
-        self._sampled.append(sampled)
+        self._calls.append(SamplerCall([list(ids) for ids in prompt_ids], [list(ids) for ids in completion_ids],
+                                       sampled))
+
+    def end_sampling(self, prompt_ids, completion_ids, extra_fields: dict) -> None:
+        """After TRL's rollout (`_generate`): one route per token of each sample's final `prompt | completion`
+        (TRL's unpadded token lists), stitched across the turns of a tool loop (`trl_gspo.routing.turns`), or read
+        from a rollout_func's `routed_experts` (taken out of `extra_fields`, so reward functions never see them)."""
+        rollout_routes = extra_fields.pop(ROLLOUT_ROUTES_KEY, None)
+        if not self._sampling:
+            return
+        dtype = route_dtype(self.replay.num_experts, self.replay.top_k)
+        if rollout_routes is not None:
+            self._stitched = routes_from_rollout_func(rollout_routes, prompt_ids, completion_ids, dtype)
+            check_sampled_routes(self._stitched, self.replay.num_experts, self.replay.top_k, "rollout_func")
+        elif self._calls:
+            self._stitched = stitch_turns(self._calls, prompt_ids, completion_ids)
+        else:  # a rollout_func without routes: nothing to replay, and natural routing would be a silent guess
+            raise ValueError(
+                "`routing_replay`: 'sampler' with a rollout_func needs the routes your sampler used: return them "
+                f"under {ROLLOUT_ROUTES_KEY!r}, one integer array per sample of shape [len(prompt_ids) + "
+                "len(completion_ids) - 1, num_moe_layers, top_k] (vLLM's `routed_experts` layout; "
+                "docs/sampling.md). Fix: return them, or set routing_replay='old'.")
 
     def _layout(self, prompt_width: int, completion_width: int, attention_mask=None) -> torch.Tensor:
         """The round's sampler routes laid out like TRL's padded `[prompt | completion]` batch."""
         if self._sampler_routes is not None:
             return self._sampler_routes
-        if not self._sampled:
+        if self._stitched is None:
             raise RuntimeError("routing_replay='sampler': this generation round recorded no sampler routes. Fix: "
                                "generate with HF generate or vLLM through GSPOTrainer, or set routing_replay='old'.")
-        prompts = [r for s in self._sampled for r in s.prompt_routes]
-        completions = [r for s in self._sampled for r in s.completion_routes]
+        prompts, completions = self._stitched.prompt_routes, self._stitched.completion_routes
         positions = torch.arange(max(prompt_width, completion_width))
         prompt_mask = positions[:prompt_width] >= prompt_width - torch.tensor([len(r) for r in prompts])[:, None]
         completion_mask = positions[:completion_width] < torch.tensor([len(r) for r in completions])[:, None]
@@ -260,6 +287,26 @@ class TrainerRouting:
             return []
         counts = torch.stack([c.to(kept[0].device) for c in kept]).cpu()
         return [item for micro_batch in counts for item in routing_metrics(micro_batch, self.mode).items()]
+
+
+def _refuse_sliced_tool_turns(args, num_processes: int) -> None:
+    """R3 with TRL's tool loop on vLLM: refuse the layouts where TRL slices one call's results over processes.
+
+    TRL 1.16 gathers a turn's prompts over the TP group (colocate, TP > 1) or all processes (server) and keeps
+    `rank * len(prompts)` onwards; in a tool turn each rank sends only its tool-calling samples, a number that
+    differs between ranks, so the slice is another rank's (TRL PR 6673). Routes follow TRL's slice, so they would too.
+    """
+    sliced = (args.vllm_mode == "colocate" and args.vllm_tensor_parallel_size > 1) or (
+        args.vllm_mode == "server" and num_processes > 1)
+    if sliced:
+        layout = (f"vllm_tensor_parallel_size={args.vllm_tensor_parallel_size}" if args.vllm_mode == "colocate"
+                  else f"vllm_mode='server' with {num_processes} training processes")
+        raise ValueError(
+            f"`routing_replay`: 'sampler' with tools or environment_factory and {layout}: TRL 1.16 slices each tool "
+            "turn's results by `rank * len(prompts)`, which is another rank's slice when ranks have different numbers "
+            "of tool-calling samples in a turn (TRL PR 6673), so completions and routes would not be this rank's. "
+            "Fix: vllm_mode='colocate' with vllm_tensor_parallel_size=1, server mode with one training process, HF "
+            "generate (use_vllm=False), or routing_replay='old'.")
 
 
 def _first_adapter_layer(model: torch.nn.Module):

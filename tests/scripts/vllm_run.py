@@ -8,7 +8,9 @@ The JSON holds GSPOConfig overrides plus these script options:
     resume: true         resume from the newest checkpoint in OUT_DIR
     engine: "..."        "patched" (default: tests/vllm_cpu_engine.py, all three patches), "no_repack" (experts are not
                          re-packed after a weight sync), "no_capture" (the CPU MoE kernel claims route capture but
-                         never reports: vLLM returns all-zero routes)
+                         never reports: vLLM returns all-zero routes), "other_checkpoint" (the engine loads another
+                         checkpoint, same architecture, another seed and init scale; TRL's weight sync is stubbed: a
+                         sampler wrong from the first round on)
     server: "http://..." server mode against that vLLM server (started by the test with `trl-gspo vllm-serve`). TRL's
                          weight sync to a server is NCCL-only, so its two NCCL calls are stubbed (counted in
                          `weight_syncs`); use learning_rate 0 so the server's weights stay the policy's
@@ -54,7 +56,7 @@ class Warnings(logging.Handler):
         self.messages.append(record.getMessage())
 
 
-def build_model_dir(path: Path):
+def build_model_dir(path: Path, seed: int = 0, **config_overrides):
     """The tiny Qwen3-MoE of the quickstart, head_dim 32 (vLLM's CPU attention refuses 24), saved for vLLM.
 
     Written to a temporary directory and renamed into place, so a process that finds `path` finds it whole: under
@@ -67,7 +69,7 @@ def build_model_dir(path: Path):
     path.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{path.name}-", dir=path.parent))
     tokenizer = build_tokenizer()
-    model = build_model(tokenizer, config_overrides={"head_dim": 32})
+    model = build_model(tokenizer, config_overrides={"head_dim": 32, **config_overrides}, seed=seed)
     model.save_pretrained(staging)
     tokenizer.save_pretrained(staging)
     try:
@@ -172,6 +174,8 @@ def main():
     model_dir = build_model_dir(Path(os.environ.get("TRL_GSPO_VLLM_MODEL_DIR", out_dir / "model")))
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    if engine == "other_checkpoint":  # TRL builds its colocate engine from `model.name_or_path`
+        model.name_or_path = str(build_model_dir(out_dir / "other_checkpoint", seed=1, initializer_range=0.1))
     peft_config = None
     if lora:
         from peft import LoraConfig
@@ -187,6 +191,9 @@ def main():
     args = tiny_config(out_dir, **config)
     trainer = GSPOTrainer(model, digit_reward, args=args, processing_class=tokenizer, peft_config=peft_config,
                           train_dataset=Dataset.from_dict({"prompt": PROMPTS * 4}))
+
+    if engine == "other_checkpoint":  # the engine keeps serving the other checkpoint
+        trainer.vllm_generation.sync_weights = lambda: weight_syncs.append(0)
 
     checks = {"passes": 0, "max_forced_diff": 0.0, "max_natural_diff": 0.0, "training_passes": 0}
     if reference:

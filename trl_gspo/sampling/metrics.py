@@ -27,12 +27,17 @@ from ..routing import RoutingReplayError
 
 logger = logging.get_logger(__name__)
 
-__all__ = ["check_sampler_round", "finish_mismatch", "mismatch_sums", "sampler_drifted", "sampling_metrics"]
+__all__ = ["SAMPLER_GAP_FLOOR", "SamplerWatch", "check_sampler_round", "finish_mismatch", "log_turns", "mismatch_sums", "model_turns",
+           "sampler_drifted", "sampling_metrics"]
 
 # A round's mean |log r_t| counts as drift when it exceeds both DRIFT_FACTOR x the first round's and the first round's
 # + DRIFT_MARGIN nats. Measured on CPU (docs/sampling.md): a correct bf16 engine stays near its round-1 gap as
 # training moves the weights; an engine that missed a weight sync went from 0.025 to 0.42.
 DRIFT_FACTOR, DRIFT_MARGIN = 4.0, 0.05
+# Beyond this mean |log r_t| (nats, trainer and sampler on the same weights) no precision gap explains a round, first
+# round included: measured on CPU, a bf16 engine against a float32 trainer gives 0.0009-0.03 (docs/sampling.md), an
+# engine computing with other weights 0.4-3.4 (a missed sync) and >= 0.5 (another checkpoint from round 1 on).
+SAMPLER_GAP_FLOOR = 0.1
 
 
 def mismatch_sums(logps: torch.Tensor, sampler_logps: torch.Tensor, mask: torch.Tensor, eps_low: float = 3e-4,
@@ -123,11 +128,13 @@ def sampler_drifted(reference: float, current: float) -> bool:
     return current > max(DRIFT_FACTOR * reference, reference + DRIFT_MARGIN)
 
 
-def check_sampler_round(values: dict, reference: float | None, min_agreement: float) -> float:
+def check_sampler_round(values: dict, reference: float | None, min_agreement: float,
+                        dtypes: tuple[str, str] = ("unknown", "unknown")) -> float:
     """After a training round's metrics (`sampling_metrics`, the same on every rank): raise `RoutingReplayError`
-    when R3's sampler/trainer route agreement is below `min_agreement` (`routing_replay_min_agreement`), and warn
-    loudly when the sampler drifted from the trainer since the first round (`sampler_drifted`). Returns the gap
-    reference to keep: `reference`, or this round's gap when there was none."""
+    when R3's sampler/trainer route agreement is below `min_agreement` (`routing_replay_min_agreement`); warn loudly
+    when the gap is beyond what precision explains (`SAMPLER_GAP_FLOOR`, any round, the first included), or when it
+    drifted from the first round's (`sampler_drifted`). `dtypes`: (sampler, trainer) compute dtypes, for the message.
+    Returns the gap reference to keep: `reference`, or this round's gap when there was none."""
     agreement = values.get("routing/sampler_agreement")
     if agreement is not None and agreement < min_agreement:
         raise RoutingReplayError(
@@ -138,12 +145,47 @@ def check_sampler_round(values: dict, reference: float | None, min_agreement: fl
             "that missed the weight sync. Fix: check the sampler's route capture and weight sync; lower "
             "routing_replay_min_agreement only for a gap you measured as legitimate; or set routing_replay='old'.")
     gap = values["sampling/abs_log_ratio_mean"]
-    if reference is None:
-        return gap
-    if sampler_drifted(reference, gap):
+    if reference is not None and sampler_drifted(reference, gap):
         logger.warning(
             f"SAMPLER DRIFT: the sampler's log-probs are {gap:.4f} nats (mean |log ratio|) from the trainer's on the "
             f"same weights, against {reference:.4f} in the first round. The sampler no longer samples from the trained "
             "weights (a weight sync that did not reach the kernels the engine computes with), so every importance "
             "ratio is off. See sampling/abs_log_ratio_mean and docs/sampling.md.")
-    return reference
+    elif gap > SAMPLER_GAP_FLOOR:
+        sampler_dtype, trainer_dtype = dtypes
+        when = "in the first round" if reference is None else f"(first round: {reference:.4f})"
+        logger.warning(
+            f"SAMPLER GAP: the sampler's log-probs are {gap:.4f} nats (mean |log ratio|) from the trainer's on the "
+            f"same weights {when}; a precision gap explains at most ~{SAMPLER_GAP_FLOOR} (a {sampler_dtype} sampler "
+            f"against a {trainer_dtype} trainer here; bf16 vs float32 measured 0.001-0.03, docs/sampling.md). The "
+            "sampler computes with other weights than the trainer: likely a server serving another checkpoint or "
+            "revision, a weight load or sync that did not reach the engine's kernels, a quantized or mis-configured "
+            "engine (dtype, rope scaling, chat template tokens), or other sampling parameters than the trainer's "
+            "(temperature). Every importance ratio is off. Fix: point the sampler at the trained weights and check "
+            "sampling/abs_log_ratio_mean falls below the bound.")
+    return gap if reference is None else reference
+
+
+class SamplerWatch:
+    """The sampler checks of one run, after each training round (`check_sampler_round`); keeps the first round's gap.
+    `min_agreement`: `routing_replay_min_agreement`; `dtypes`: (sampler, trainer) compute dtype names."""
+
+    def __init__(self, min_agreement: float, dtypes: tuple[str, str]):
+        self.min_agreement, self.dtypes = min_agreement, dtypes
+        self.reference: float | None = None  # mean |log r| of the first training round: the sampler/trainer baseline
+
+    def check(self, values: dict) -> None:
+        self.reference = check_sampler_round(values, self.reference, self.min_agreement, self.dtypes)
+
+
+def model_turns(tool_mask) -> list[int]:
+    """Per sample, the model's turns in a multi-turn completion: runs of 1s in TRL's unpadded `tool_mask` (1: the
+    model's tokens, 0: a tool's or environment's)."""
+    return [sum(1 for t, flag in enumerate(mask) if flag and (t == 0 or not mask[t - 1])) for mask in tool_mask]
+
+
+def log_turns(accelerator, metrics: dict, tool_mask) -> None:
+    """`tools/turns_mean` and `tools/turns_max` over every rank's samples into TRL's `metrics` of the mode."""
+    turns = accelerator.gather(torch.tensor(model_turns(tool_mask), device=accelerator.device)).float()
+    metrics["tools/turns_mean"].append(turns.mean().item())
+    metrics["tools/turns_max"].append(turns.max().item())

@@ -100,6 +100,16 @@ def engine_options(**options):
         vllm_generation.LLM = original
 
 
+def trainer_engine_options(args) -> dict:
+    """What GSPOTrainer adds to TRL's colocate vLLM engine: routed experts for R3, the dtype the user chose."""
+    options = {}
+    if getattr(args, "routing_replay", "none") == "sampler":
+        options["enable_return_routed_experts"] = True
+    if getattr(args, "vllm_dtype", "auto") != "auto":
+        options["dtype"] = args.vllm_dtype
+    return options
+
+
 def engine_dtype(llm) -> torch.dtype | None:
     """The dtype TRL's colocate engine computes in (vLLM resolves "auto": a float32 checkpoint is served in
     bfloat16), or None where the engine does not say."""
@@ -120,6 +130,25 @@ def warn_on_dtype_gap(sampler: torch.dtype | None, trainer: torch.dtype) -> bool
         "sampling/* metrics and docs/sampling.md). Fix: set vllm_dtype to the trainer's dtype "
         f"(vllm_dtype='{name(trainer)}'), or train in the sampler's (bf16=True).")
     return True
+
+
+def check_sampler_at_start(trainer, base_model) -> tuple[str, str]:
+    """At GSPOTrainer's construction, once TRL built its sampler: warn on a colocate engine's dtype gap
+    (`warn_on_dtype_gap`) and, in server mode with R3, refuse a server that returns no routes
+    (`check_server_returns_routes`). Returns the (sampler, trainer) compute dtype names, for the gap warnings."""
+    args = trainer.args
+    trainer_dtype = torch.bfloat16 if args.bf16 else torch.float16 if args.fp16 else base_model.dtype
+    name = lambda dtype: str(dtype).removeprefix("torch.")  # noqa: E731
+    if not trainer.use_vllm:  # HF generate: the trainer's own model and autocast (DESIGN: same precision)
+        return name(trainer_dtype), name(trainer_dtype)
+    if trainer.vllm_mode == "colocate":
+        sampler_dtype = engine_dtype(trainer.vllm_generation.llm)
+        if trainer.accelerator.is_main_process:
+            warn_on_dtype_gap(sampler_dtype, trainer_dtype)
+        return ("unknown" if sampler_dtype is None else name(sampler_dtype)), name(trainer_dtype)
+    if getattr(args, "routing_replay", "none") == "sampler" and trainer.accelerator.is_main_process:
+        check_server_returns_routes(trainer.vllm_generation.vllm_client)
+    return "server's (unknown)", name(trainer_dtype)
 
 
 @contextlib.contextmanager
@@ -181,6 +210,27 @@ def routes_from_vllm(request_outputs, index_dtype: torch.dtype = torch.uint8, *,
             last = torch.full((1, *routes.shape[1:]), sentinel, dtype=index_dtype)
             completion_routes.append(torch.cat([routes[prompt_len:], last]))
     return SampledRoutes(prompt_routes, completion_routes, sampler_logps=[])
+
+
+def routes_from_rollout_func(routes, prompt_ids, completion_ids, index_dtype: torch.dtype = torch.uint8) -> SampledRoutes:
+    """A rollout_func's `routed_experts` (one integer array per sample, `[len(prompt) + len(completion) - 1, layers,
+    top_k]`: vLLM's layout, so vLLM's arrays pass through unchanged) split like `routes_from_vllm`, after refusing a
+    count or shape that does not fit the samples TRL received from the same rollout_func."""
+    fix = ("Fix: return one array per sample in the order of `completion_ids`, with rows for every token of prompt + "
+           "completion but the last (docs/sampling.md), or set routing_replay='old'.")
+    if len(routes) != len(prompt_ids):
+        raise ValueError(f"`routing_replay`: the rollout_func returned {len(routes)} `routed_experts` arrays for "
+                         f"{len(prompt_ids)} samples. {fix}")
+    requests = []
+    for i, (prompt, completion, sample_routes) in enumerate(zip(prompt_ids, completion_ids, routes)):
+        shape = tuple(getattr(sample_routes, "shape", ()))
+        if sample_routes is None or len(shape) != 3 or shape[0] != len(prompt) + len(completion) - 1:
+            raise ValueError(f"`routing_replay`: the rollout_func's `routed_experts` for sample {i} has shape {shape}; "
+                             f"its {len(prompt)}-token prompt and {len(completion)}-token completion need "
+                             f"[{len(prompt) + len(completion) - 1}, layers, top_k]. {fix}")
+        requests.append(SimpleNamespace(prompt_token_ids=prompt, outputs=[SimpleNamespace(
+            token_ids=completion, routed_experts=sample_routes)]))
+    return routes_from_vllm(requests, index_dtype)
 
 
 def slice_routes(sampled: SampledRoutes, start: int, completion_lengths: list[int]) -> SampledRoutes:
