@@ -224,7 +224,7 @@ def test_tensor_parallel_2_under_zero3_syncs_every_round(tmp_path):
 
 
 @contextlib.contextmanager
-def _serving(root, model_dir):
+def _serving(root, model_dir, max_model_len=128):
     """A real vLLM server, `trl-gspo vllm-serve --model MODEL_DIR` on loopback, until the block ends; yields its URL.
     Its processes load tests/vllm_cpu_engine.py as a vLLM plugin (route capture in the CPU MoE kernel)."""
     import vllm_cpu_engine
@@ -234,7 +234,7 @@ def _serving(root, model_dir):
     with open(log_path, "w") as log:
         server = subprocess.Popen(
             [sys.executable, "-m", "trl_gspo.cli", "vllm-serve", "--model", str(model_dir), "--host", "127.0.0.1",
-             "--port", str(port), "--max_model_len", "128", "--enforce_eager", "true"],
+             "--port", str(port), "--max_model_len", str(max_model_len), "--enforce_eager", "true"],
             stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
             env=cpu_env(VLLM_CPU_KVCACHE_SPACE="1", TOKENIZERS_PARALLELISM="false",
                         PYTHONPATH=vllm_cpu_engine.write_plugin(root / "plugin")))
@@ -263,23 +263,11 @@ def vllm_server(tmp_path_factory):
     root = tmp_path_factory.mktemp("server")
     trainer_dir = _build_model_dir(root / "model")
     served_dir = root / "served"
-    _perturbed_router_copy(trainer_dir, served_dir)
+    from vllm_run import perturbed_router_copy
+
+    perturbed_router_copy(trainer_dir, served_dir)
     with _serving(root, served_dir) as url:
         yield url, trainer_dir
-
-
-def _perturbed_router_copy(source, target):
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    model = AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32)
-    generator = torch.Generator().manual_seed(0)
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if name.endswith("mlp.gate.weight"):
-                param.add_(torch.randn(param.shape, generator=generator) * param.std())
-    model.save_pretrained(target)
-    AutoTokenizer.from_pretrained(source).save_pretrained(target)
 
 
 @pytest.mark.parametrize("processes", [1, 2])
@@ -334,3 +322,44 @@ def test_trl_gspo_vllm_serve_serves_a_dense_model_without_routes(tmp_path):
         client = SimpleNamespace(session=requests.Session(), base_url=url, model=str(model_dir))
         with pytest.raises(RuntimeError, match="Fix: start it with `trl-gspo vllm-serve`"):
             check_server_returns_routes(client)
+
+
+# ---------------------------------------------------------------- multi-turn: TRL's tool loop, R3 stitched across turns
+TOOL_RUN = dict(tools=True, routing_replay="sampler", reference=True, learning_rate=0.0, routing_replay_min_agreement=0.0,
+                max_steps=4, vllm_max_model_length=256, max_completion_length=48, max_tool_calling_iterations=2)
+
+
+def _multi_turn_checks(result):
+    """The run called the tool and went on after its result; every policy pass replayed the hand-stitched routes."""
+    rounds = [h for h in result["log_history"] if "tools/call_frequency" in h]
+    assert rounds and rounds[0]["tools/call_frequency"] > 0.3 and rounds[0]["tools/turns_max"] >= 2
+    for checks in result["checks_per_rank"]:
+        assert checks["passes"] == 5 and checks["training_passes"] == 4
+        assert checks["max_forced_diff"] < 1e-5
+        assert checks["max_natural_diff"] > 1e-3
+
+
+def test_colocate_r3_across_tool_turns_replays_the_hand_stitched_routes(tool_model_dir, tmp_path):
+    """TRL's colocate engine (TP 1) runs the calculator task's tool loop: every turn is one `llm.generate` call on the
+    samples that called the tool. The engine serves the model with its routers perturbed (sync stubbed, learning rate
+    0), so its routes differ from the trainer's natural ones. Every policy pass equals a model copy scored with routes
+    stitched by hand from the raw RequestOutputs of all turns (first computation, vllm_run.lay_out)."""
+    result = _run(tmp_path, model_dir=tool_model_dir, engine="perturbed_routers", **TOOL_RUN)
+    _multi_turn_checks(result)
+
+
+@pytest.fixture(scope="module")
+def vllm_tool_server(tmp_path_factory, tool_model_dir):
+    """`trl-gspo vllm-serve` serving the cold-started tool model with its routers perturbed; yields (url, model dir)."""
+    from vllm_run import perturbed_router_copy
+
+    root = tmp_path_factory.mktemp("tool_server")
+    with _serving(root, perturbed_router_copy(tool_model_dir, root / "served"), max_model_len=256) as url:
+        yield url, tool_model_dir
+
+
+def test_server_mode_r3_across_tool_turns_replays_the_hand_stitched_routes(vllm_tool_server, tmp_path):
+    """Server mode, one training process: each tool turn is one /v1/completions call whose answer carries the
+    routes; every policy pass equals a model copy scored with routes stitched by hand from the raw answers."""
+    url, model_dir = vllm_tool_server
+    _multi_turn_checks(_run(tmp_path, model_dir=model_dir, server=url, **TOOL_RUN))
