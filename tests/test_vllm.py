@@ -326,7 +326,7 @@ def test_trl_gspo_vllm_serve_serves_a_dense_model_without_routes(tmp_path):
 
 # ---------------------------------------------------------------- multi-turn: TRL's tool loop, R3 stitched across turns
 TOOL_RUN = dict(tools=True, routing_replay="sampler", reference=True, learning_rate=0.0, routing_replay_min_agreement=0.0,
-                max_steps=4, vllm_max_model_length=256, max_completion_length=48, max_tool_calling_iterations=2)
+                max_steps=4, vllm_max_model_length=256, max_completion_length=64, max_tool_calling_iterations=2)
 
 
 def _multi_turn_checks(result):
