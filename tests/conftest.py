@@ -141,3 +141,15 @@ def tiny_config(output_dir, config_cls=None, **overrides):
     )
     kwargs.update(overrides)
     return config_cls(**kwargs)
+
+
+@pytest.fixture(scope="session")
+def tool_model_dir(tmp_path_factory):
+    """A directory with the tiny tool-calling Qwen3-MoE (`trl_gspo.quickstart.tools.build_tool_model`: character
+    tokenizer with chat and response templates, SFT cold start to call `add`), built once per session. Load it with
+    `AutoModelForCausalLM` / `AutoTokenizer.from_pretrained` (or vLLM); every test gets fresh weights that way."""
+    from trl_gspo.quickstart.tools import build_tool_model
+
+    path = tmp_path_factory.mktemp("tool_model")
+    build_tool_model(output_dir=str(path))
+    return path

@@ -17,6 +17,7 @@ from .checkpoints import check_resume_before_launch
 from .recipe import (GSPOScriptArguments, RecipeError, check_launch, check_recipe, describe,  # noqa: F401
                      make_parser, parse_recipe)
 from .rewards import resolve_rewards
+from .tool_registry import resolve_tools
 
 USAGE = """usage: trl-gspo RECIPE.yaml [--key value ...] [accelerate launch options]
        trl-gspo --config RECIPE.yaml [--key value ...]
@@ -73,6 +74,7 @@ def main(argv: list[str] | None = None) -> int:
             note = "(no GPU here: validated with use_cpu=true, bf16=false; the recipe itself asks for bf16)\n"
         check_recipe(script_args, training_args, model_args, dataset_args, launch_args)
         resolve_rewards(script_args)  # unknown names or a missing verifier fail here, before any process starts
+        resolve_tools(script_args)  # unknown tool / environment names too
         note += "".join(f"{line}\n" for line in check_launch(script_args, training_args, launch_args,
                                                              dry_run=script_args.dry_run))
         check_resume_before_launch(training_args.resume_from_checkpoint, training_args.output_dir)

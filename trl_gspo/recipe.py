@@ -8,6 +8,7 @@ and `accelerate launch` options (`accelerate_config: zero3`, `num_processes: 8`,
 
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass, field
 
@@ -17,8 +18,12 @@ from trl.scripts.grpo import GRPOScriptArguments
 from .config import GSPOConfig
 
 BUILTIN_PREFIX = "builtin:"
-BUILTIN_MODELS = ("tiny-qwen3-moe", "tiny-qwen3")
-BUILTIN_DATASETS = ("addition",)
+BUILTIN_MODELS = ("tiny-qwen3-moe", "tiny-qwen3", "tiny-qwen3-moe-tools")
+BUILTIN_DATASETS = ("addition", "tool_addition")
+# The built-in models each built-in task cold-starts and trains: the task's prompts need the model's tokenizer.
+BUILTIN_TASK_MODELS = {"addition": ("tiny-qwen3-moe", "tiny-qwen3"), "tool_addition": ("tiny-qwen3-moe-tools",)}
+# Built-in datasets whose prompts are conversations (lists of messages), which TRL's tool loop needs.
+CONVERSATIONAL_BUILTIN_DATASETS = ("tool_addition",)
 SFT_UNDER_DEEPSPEED = (
     "`sft_steps` (the built-in SFT cold start) cannot run under DeepSpeed: accelerate allows one DeepSpeed "
     "Accelerator per process, and the GSPO trainer needs it. Fix: cold-start once with one process or DDP "
@@ -38,6 +43,9 @@ class GSPOScriptArguments(GRPOScriptArguments):
     `model_name_or_path: builtin:tiny-qwen3-moe` (or `builtin:tiny-qwen3`, dense) builds a tiny model and a
     character tokenizer locally; `dataset_name: builtin:addition` is single-digit addition with a verifiable
     answer, whose rewards are `exact_match_reward` and `digit_match_reward` (partial credit).
+    `builtin:tiny-qwen3-moe-tools` with `builtin:tool_addition` is the calculator task of TRL's tool loop
+    (trl_gspo/quickstart/tools.py): `tools: [add]` or `environment_factory: CalculatorEnv`, reward
+    `tool_answer_reward`; `failed_tool_credit` trains it with per-turn credit (`ToolCreditGSPOTrainer`).
     """
 
     sft_steps: int = field(
@@ -57,6 +65,28 @@ class GSPOScriptArguments(GRPOScriptArguments):
     )
     builtin_num_examples: int = field(
         default=4096, metadata={"help": "Number of prompts generated for a `builtin:` dataset."}
+    )
+    tools: list[str] | None = field(
+        default=None,
+        metadata={
+            "help": "Functions the model may call in TRL's tool loop (`GRPOTrainer(tools=...)`): built-in names "
+            "(`add`) or dotted paths `module.function`. Needs a conversational dataset and a chat template that "
+            "renders tool calls; `max_tool_calling_iterations` bounds the turns."
+        },
+    )
+    environment_factory: str | None = field(
+        default=None,
+        metadata={
+            "help": "A class TRL instantiates per rollout whose public methods (besides `reset`) are tools "
+            "(`GRPOTrainer(environment_factory=...)`): the built-in `CalculatorEnv` or a dotted path `module.Class`."
+        },
+    )
+    failed_tool_credit: float | None = field(
+        default=None,
+        metadata={
+            "help": "Train with `trl_gspo.multi_turn.ToolCreditGSPOTrainer`: this credit (e.g. -0.5) is added to the "
+            "advantage of the tokens of a turn whose tool call failed. Needs loss_type: gspo_token and tools."
+        },
     )
     plot: bool = field(
         default=True,
@@ -231,6 +261,12 @@ def describe(script_args, training_args, model_args, dataset_args, launch_args) 
     ]
     if script_args.sft_steps:
         lines.insert(3, f"sft cold start: {script_args.sft_steps} steps at lr {script_args.sft_learning_rate}")
+    if script_args.tools or script_args.environment_factory:
+        credit = script_args.failed_tool_credit
+        lines.insert(3, f"tools:          {script_args.tools or []}"
+                        f"{f', environment_factory={script_args.environment_factory}' if script_args.environment_factory else ''}"
+                        f", max_tool_calling_iterations={args.max_tool_calling_iterations}"
+                        f"{f', failed_tool_credit={credit} (ToolCreditGSPOTrainer)' if credit is not None else ''}")
     return "\n".join(lines)
 
 
@@ -250,9 +286,13 @@ def load_dataset(script_args, dataset_args):
         from .quickstart import addition
 
         _check_builtin_dataset(name)
+        if name == BUILTIN_PREFIX + "tool_addition":
+            from .quickstart.tools import make_tool_rl_dataset as make_rl_dataset
+        else:
+            make_rl_dataset = addition.make_rl_dataset
         return DatasetDict({
-            script_args.dataset_train_split: addition.make_rl_dataset(script_args.builtin_num_examples, seed=0),
-            script_args.dataset_test_split: addition.make_rl_dataset(256, seed=1),
+            script_args.dataset_train_split: make_rl_dataset(script_args.builtin_num_examples, seed=0),
+            script_args.dataset_test_split: make_rl_dataset(256, seed=1),
         })
     if dataset_args.datasets:
         from trl import get_dataset
@@ -358,6 +398,8 @@ def check_recipe(script_args, training_args, model_args, dataset_args, launch_ar
     if script_args.sft_steps and not (script_args.dataset_name or "").startswith(BUILTIN_PREFIX):
         raise RecipeError("`sft_steps` needs a `builtin:` dataset (it trains on the task's reference answers). "
                           "Fix: set sft_steps: 0, or cold-start your model with `trl sft` first.")
+    _check_builtin_pair(script_args, model_args)
+    _check_tools(script_args, args, model_args)
     size = _dataset_size(script_args, dataset_args, probe_dataset)
     if size is not None and launch_args is not None:
         check_dataset_size(size, args, script_args, launched_processes(launch_args))
@@ -410,6 +452,80 @@ def _check_model(model_args) -> None:
     if name.startswith(BUILTIN_PREFIX) and name[len(BUILTIN_PREFIX):] not in BUILTIN_MODELS:
         raise RecipeError(f"`model_name_or_path`: unknown built-in {name!r}. Fix: use one of "
                           f"{[BUILTIN_PREFIX + m for m in BUILTIN_MODELS]} or a hub id / local path.")
+
+
+def _builtin(name: str | None) -> str | None:
+    return name[len(BUILTIN_PREFIX):] if name and name.startswith(BUILTIN_PREFIX) else None
+
+
+def _check_builtin_pair(script_args, model_args) -> None:
+    """A built-in model with a built-in dataset: the task must be the model's (its tokenizer writes the task's
+    prompts, its cold start trains on the task's transcripts)."""
+    model, dataset = _builtin(model_args.model_name_or_path), _builtin(script_args.dataset_name)
+    if model in BUILTIN_MODELS and dataset in BUILTIN_TASK_MODELS and model not in BUILTIN_TASK_MODELS[dataset]:
+        task = next(t for t, models in BUILTIN_TASK_MODELS.items() if model in models)
+        raise RecipeError(
+            f"`model_name_or_path: builtin:{model}` is the model of the built-in task builtin:{task}, not of "
+            f"`dataset_name: builtin:{dataset}`. Fix: use model_name_or_path: "
+            f"builtin:{BUILTIN_TASK_MODELS[dataset][0]} with builtin:{dataset}, or dataset_name: builtin:{task}.")
+    if model == "tiny-qwen3-moe-tools" and "sft_correct_fraction" in getattr(script_args, "explicit_keys", ()):
+        raise RecipeError("`sft_correct_fraction` applies to the builtin:addition cold start; builtin:tiny-qwen3-moe-"
+                          "tools is cold-started on correct tool-call transcripts only, so it would be ignored. Fix: "
+                          "remove sft_correct_fraction (sft_steps and sft_learning_rate apply).")
+
+
+def _check_tools(script_args, training_args, model_args) -> None:
+    """`tools`, `environment_factory` and `failed_tool_credit` against the loss type, the dataset and the model;
+    names (and a string where a list belongs) are checked by `trl_gspo.tool_registry.resolve_tools`."""
+    tools, environment = script_args.tools, script_args.environment_factory
+    credit = script_args.failed_tool_credit
+    uses_tools = bool(tools or environment)
+    if credit is not None:
+        if not math.isfinite(credit):
+            raise RecipeError(f"`failed_tool_credit` must be a finite number, got {credit}. Fix: e.g. "
+                              "failed_tool_credit: -0.5.")
+        if training_args.loss_type != "gspo_token":
+            raise RecipeError(
+                f"`failed_tool_credit` trains with ToolCreditGSPOTrainer, whose per-turn credit only loss_type: "
+                f"gspo_token uses (with loss_type: {training_args.loss_type} it would be silently ignored). Fix: set "
+                "loss_type: gspo_token, or remove failed_tool_credit.")
+        if not uses_tools:
+            raise RecipeError("`failed_tool_credit` credits the turns of failed tool calls, and the recipe gives the "
+                              "model no tools. Fix: add `tools: [add]` (or `environment_factory: CalculatorEnv`), or "
+                              "remove failed_tool_credit.")
+    dataset, model = _builtin(script_args.dataset_name), _builtin(model_args.model_name_or_path)
+    if uses_tools:
+        key = "tools" if tools else "environment_factory"
+        if dataset in BUILTIN_DATASETS and dataset not in CONVERSATIONAL_BUILTIN_DATASETS:
+            raise RecipeError(
+                f"`{key}` needs a conversational dataset (prompts as lists of messages, rendered with the chat "
+                f"template and the tools), and builtin:{dataset} has plain-text prompts. Fix: use dataset_name: "
+                "builtin:tool_addition (with model_name_or_path: builtin:tiny-qwen3-moe-tools), or remove "
+                f"{key}.")
+        if model in BUILTIN_MODELS and model != "tiny-qwen3-moe-tools":
+            raise RecipeError(
+                f"`{key}`: builtin:{model}'s tokenizer has no chat template, so it cannot render tools or parse tool "
+                "calls. Fix: use model_name_or_path: builtin:tiny-qwen3-moe-tools, or a model whose chat template "
+                "supports tools.")
+    elif dataset in CONVERSATIONAL_BUILTIN_DATASETS:
+        raise RecipeError(f"`dataset_name: builtin:{dataset}` is answered through the calculator tool "
+                          "(tool_answer_reward pays only an answer that used it), and the recipe gives the model no "
+                          "tools. Fix: add `tools: [add]` or `environment_factory: CalculatorEnv`.")
+
+
+def check_conversational(script_args, train_dataset) -> None:
+    """With tools, refuse a loaded dataset whose prompts are plain text (TRL's tool loop renders messages); called by
+    the launched process after loading the dataset, before the model."""
+    if not (script_args.tools or script_args.environment_factory) or not hasattr(train_dataset, "__len__"):
+        return
+    from trl.data_utils import is_conversational
+
+    if len(train_dataset) and not is_conversational(train_dataset[0]):
+        key = "tools" if script_args.tools else "environment_factory"
+        raise RecipeError(
+            f"`{key}` needs a conversational dataset (a `prompt` column of message lists), and "
+            f"{script_args.dataset_name or 'the dataset'}'s prompts are plain text. Fix: convert the prompts to "
+            "`[{\"role\": \"user\", \"content\": ...}]`, or remove " + key + ".")
 
 
 def _dataset_size(script_args, dataset_args, probe: bool) -> int | None:

@@ -8,6 +8,9 @@ import time
 from transformers import TrainerCallback
 
 CLIP_KEYS = ("clip_ratio/region_mean", "gspo/clipped_token_fraction")
+# TRL's tool-loop metrics (`tools/call_frequency`: tool calls per completion, `tools/failure_frequency`: share of
+# calls that failed) and GSPOTrainer's model turns per completion; logged only by a run with tools.
+TOOL_KEYS = ("tools/call_frequency", "tools/failure_frequency", "tools/turns_mean")
 
 
 def _series(log_history: list[dict], key: str) -> tuple[list[int], list[float]]:
@@ -16,12 +19,16 @@ def _series(log_history: list[dict], key: str) -> tuple[list[int], list[float]]:
 
 
 def summarize(log_history: list[dict]) -> dict:
-    """Reward of the first and last logging windows, mean clip fractions, number of logged steps."""
+    """Reward of the first and last logging windows, mean clip fractions; with tools, the tool-call rate, failure
+    share and turns of the first and last windows (`<key>_first` / `<key>_last`, None without tools)."""
     _, rewards = _series(log_history, "reward")
     summary = {"reward_first": rewards[0] if rewards else None, "reward_last": rewards[-1] if rewards else None}
     for key in CLIP_KEYS:
         _, values = _series(log_history, key)
         summary[key] = sum(values) / len(values) if values else None
+    for key in TOOL_KEYS:  # first and last logging windows, as the reward
+        _, values = _series(log_history, key)
+        summary[f"{key}_first"], summary[f"{key}_last"] = (values[0], values[-1]) if values else (None, None)
     return summary
 
 
@@ -80,6 +87,16 @@ class RunReportCallback(TrainerCallback):
             "(mean gspo/clipped_token_fraction)",
             f"  wall time:             {elapsed:.0f}s",
         ]
+        if summary["tools/call_frequency_first"] is not None:  # a run with tools (TRL's tool loop)
+            lines[-1:-1] = [
+                f"  tool calls first -> last: {fmt(summary['tools/call_frequency_first'])} -> "
+                f"{fmt(summary['tools/call_frequency_last'])}  (tool-call rate: tools/call_frequency, calls per "
+                "completion)",
+                f"  failed calls first -> last: {fmt(summary['tools/failure_frequency_first'])} -> "
+                f"{fmt(summary['tools/failure_frequency_last'])}  (tools/failure_frequency)",
+                f"  turns first -> last:   {fmt(summary['tools/turns_mean_first'])} -> "
+                f"{fmt(summary['tools/turns_mean_last'])}  (tools/turns_mean, model turns per completion)",
+            ]
         if self.plot:
             os.makedirs(args.output_dir, exist_ok=True)
             path = plot_training_curves(state.log_history, os.path.join(args.output_dir, "training_curves.png"),

@@ -1,4 +1,4 @@
-"""Reward functions named in a recipe: the built-in task's, TRL's reward registry (`trl.rewards`), dotted paths.
+"""Reward functions named in a recipe: the built-in tasks', TRL's reward registry (`trl.rewards`), dotted paths.
 
 `reward_funcs` resolves as in `trl grpo`: every reward function `trl.rewards` exports by name (read from its
 `__all__`, so a TRL release that adds one makes it available here), `get_soft_overlong_punishment` with the values
@@ -25,9 +25,10 @@ def reward_registry() -> dict:
     """Name -> reward callable, for every name `reward_funcs` accepts without a dotted path."""
     import trl.rewards
 
-    from .quickstart import addition
+    from .quickstart import addition, tools
 
-    registry = {"digit_match_reward": addition.digit_match_reward, "exact_match_reward": addition.exact_match_reward}
+    registry = {"digit_match_reward": addition.digit_match_reward, "exact_match_reward": addition.exact_match_reward,
+                "tool_answer_reward": tools.tool_answer_reward}
     for name in trl.rewards.__all__:
         value = getattr(trl.rewards, name)
         if not inspect.isfunction(value):

@@ -11,8 +11,12 @@ import sys
 import time
 
 from .recipe import (BUILTIN_MODELS, BUILTIN_PREFIX, FSDP_WITHOUT_ACCELERATOR, SFT_UNDER_DEEPSPEED, RecipeError,
-                     check_dataset_size, check_recipe, describe, load_dataset, parse_recipe)
+                     check_conversational, check_dataset_size, check_recipe, describe, load_dataset, parse_recipe)
 from .rewards import resolve_rewards
+from .tool_registry import resolve_tools
+
+# Global batch of the tool model's SFT cold start (split over the processes, like the addition model's 64).
+TOOL_SFT_BATCH = 16
 
 
 def _prepare_builtin_model(script_args, training_args, model_args):
@@ -44,24 +48,33 @@ def _prepare_builtin_model(script_args, training_args, model_args):
         if state.is_main_process:
             print(f"[trl-gspo] reusing the prepared model in {path} (same inputs: {reuse.MARK})", flush=True)
         return path
-    tokenizer = build_tokenizer()
-    build = builtin_models.build_model if name == "tiny-qwen3-moe" else builtin_models.build_dense_model
-    model = build(tokenizer, seed=training_args.seed)  # the same seed gives every rank the same weights
-    if script_args.sft_steps > 0:
-        # Every rank takes part: SFTTrainer is distributed itself (its sampler splits the batch), and an SFT run on
-        # rank 0 alone would pair its collectives with the other ranks' barrier and release them too early.
-        if state.is_main_process:
-            print(f"[trl-gspo] supervised cold start: {script_args.sft_steps} steps", flush=True)
-        started = time.perf_counter()
-        sft_data = make_sft_dataset(script_args.sft_steps * 64, seed=training_args.seed,
-                                    correct_fraction=script_args.sft_correct_fraction)
-        model = sft_cold_start(model, tokenizer, os.path.join(training_args.output_dir, "sft"),
-                               max_steps=script_args.sft_steps, seed=training_args.seed,
-                               dataset=sft_data, per_device_train_batch_size=max(64 // state.num_processes, 1),
-                               learning_rate=script_args.sft_learning_rate,
-                               use_cpu=training_args.use_cpu)  # where the run that follows runs
-        if state.is_main_process:
-            print(f"[trl-gspo] cold start done in {time.perf_counter() - started:.0f}s", flush=True)
+    started = time.perf_counter()
+    if state.is_main_process and script_args.sft_steps > 0:
+        print(f"[trl-gspo] supervised cold start: {script_args.sft_steps} steps", flush=True)
+    # Every rank builds the model from the same seed (the same weights) and takes part in the cold start: SFTTrainer
+    # is distributed itself (its sampler splits the batch), and an SFT run on rank 0 alone would pair its collectives
+    # with the other ranks' barrier and release them too early.
+    if name == "tiny-qwen3-moe-tools":  # trl_gspo/quickstart/tools.py: SFT on tool-call transcripts
+        from .quickstart.tools import build_tool_model
+
+        model, tokenizer = build_tool_model(sft_steps=script_args.sft_steps, seed=training_args.seed,
+                                            learning_rate=script_args.sft_learning_rate,
+                                            per_device_train_batch_size=max(TOOL_SFT_BATCH // state.num_processes, 1),
+                                            use_cpu=training_args.use_cpu)  # where the run that follows runs
+    else:
+        tokenizer = build_tokenizer()
+        build = builtin_models.build_model if name == "tiny-qwen3-moe" else builtin_models.build_dense_model
+        model = build(tokenizer, seed=training_args.seed)
+        if script_args.sft_steps > 0:
+            sft_data = make_sft_dataset(script_args.sft_steps * 64, seed=training_args.seed,
+                                        correct_fraction=script_args.sft_correct_fraction)
+            model = sft_cold_start(model, tokenizer, os.path.join(training_args.output_dir, "sft"),
+                                   max_steps=script_args.sft_steps, seed=training_args.seed,
+                                   dataset=sft_data, per_device_train_batch_size=max(64 // state.num_processes, 1),
+                                   learning_rate=script_args.sft_learning_rate,
+                                   use_cpu=training_args.use_cpu)  # where the run that follows runs
+    if state.is_main_process and script_args.sft_steps > 0:
+        print(f"[trl-gspo] cold start done in {time.perf_counter() - started:.0f}s", flush=True)
     if state.is_main_process:
         reuse.clear_mark(path)  # a kill while the files below are rewritten must not leave the old mark behind
         model.save_pretrained(path)
@@ -92,6 +105,7 @@ def run(script_args, training_args, model_args, dataset_args) -> "GSPOTrainer": 
     check_recipe(script_args, training_args, model_args, dataset_args, probe_dataset=False)
     check_distributed_setup(training_args)
     rewards = resolve_rewards(script_args)
+    tools = resolve_tools(script_args)  # {} or tools= / environment_factory= for TRL's tool loop
     dataset = load_dataset(script_args, dataset_args)
     splits = {"dataset_train_split": script_args.dataset_train_split}
     if training_args.eval_strategy != "no":
@@ -105,6 +119,7 @@ def run(script_args, training_args, model_args, dataset_args) -> "GSPOTrainer": 
         from accelerate import PartialState
 
         check_dataset_size(len(train_dataset), training_args, script_args, PartialState().num_processes, launched=True)
+    check_conversational(script_args, train_dataset)
 
     model = model_args.model_name_or_path
     if model.startswith(BUILTIN_PREFIX):
@@ -114,7 +129,12 @@ def run(script_args, training_args, model_args, dataset_args) -> "GSPOTrainer": 
     model_init_kwargs.update(training_args.model_init_kwargs or {})
     training_args.model_init_kwargs = model_init_kwargs
 
-    trainer = GSPOTrainer(
+    trainer_class, credit = GSPOTrainer, {}
+    if script_args.failed_tool_credit is not None:  # per-turn credit for failed tool calls (gspo_token only)
+        from .multi_turn import ToolCreditGSPOTrainer
+
+        trainer_class, credit = ToolCreditGSPOTrainer, {"failed_tool_credit": script_args.failed_tool_credit}
+    trainer = trainer_class(
         model=model,
         reward_funcs=rewards,
         args=training_args,
@@ -123,6 +143,8 @@ def run(script_args, training_args, model_args, dataset_args) -> "GSPOTrainer": 
         quantization_config=get_quantization_config(model_args),
         peft_config=get_peft_config(model_args),
         callbacks=[RunReportCallback(plot=script_args.plot)],
+        **tools,
+        **credit,
     )
     trainer.train(resume_from_checkpoint=training_args.resume_from_checkpoint)
     trainer.save_model(training_args.output_dir)

@@ -15,6 +15,9 @@ from pathlib import Path
 
 MARK = "cold_start.json"
 _SOURCES = ("model.py", "addition.py", "cold_start.py", "tokenizer.py", "tiny_qwen3_moe.json")
+# The tool-calling model is built and cold-started by tools.py as well (the other models' marks do not depend on it).
+_TOOL_SOURCES = ("tools.py",)
+_TOOL_MODELS = ("tiny-qwen3-moe-tools",)
 
 
 def cold_start_inputs(model_name: str, script_args, seed: int, num_processes: int) -> dict:
@@ -24,7 +27,7 @@ def cold_start_inputs(model_name: str, script_args, seed: int, num_processes: in
     import trl
 
     sources = hashlib.sha256()
-    for name in _SOURCES:
+    for name in _SOURCES + (_TOOL_SOURCES if model_name in _TOOL_MODELS else ()):
         sources.update((Path(__file__).with_name(name)).read_bytes())
     return {
         "model": model_name,

@@ -7,7 +7,7 @@ Everything here is built from scratch, offline, and is small enough for CPU test
   ``tokenizer.parse_response`` (which TRL calls) turns ``<tool_call>{...}</tool_call>`` back into ``tool_calls``.
 - :func:`add` (for ``GRPOTrainer(tools=[add])``) and :class:`CalculatorEnv` (for ``environment_factory=``).
 - :func:`make_tool_rl_dataset` and :func:`tool_answer_reward`: conversational prompts ``"add 12 34"`` and a reward
-  for answering with the tool's result.
+  for answering with the sum after a tool result came back.
 - :func:`make_tool_sft_dataset` and :func:`build_tool_model`: full transcripts and a supervised cold start that
   teaches the tiny Qwen3-MoE to call the tool first and then repeat its result.
 
@@ -43,6 +43,7 @@ __all__ = [
     "TOOL_CHAT_TEMPLATE",
     "TOOL_RESPONSE_TEMPLATE",
     "TOOL_MODEL_CONFIG",
+    "MAX_OPERAND",
     "build_tool_tokenizer",
     "add",
     "CalculatorEnv",
@@ -111,9 +112,9 @@ TOOL_RESPONSE_TEMPLATE = {
     },
 }
 
-#: Overrides of the quickstart MoE config: head_dim 32 (vLLM's CPU attention refuses the default 24) and a context
-#: long enough for two assistant turns plus a tool result.
-TOOL_MODEL_CONFIG = {"head_dim": 32, "max_position_embeddings": 256}
+#: Overrides of the quickstart MoE config: narrower (hidden 64, for a fast cold start), head_dim 32 (vLLM's CPU
+#: attention refuses the default 24) and a context long enough for two assistant turns plus a tool result.
+TOOL_MODEL_CONFIG = {"hidden_size": 64, "moe_intermediate_size": 64, "head_dim": 32, "max_position_embeddings": 256}
 
 #: Operands of the calculator task are drawn from ``0..MAX_OPERAND``.
 MAX_OPERAND = 99
@@ -124,8 +125,10 @@ def build_tool_tokenizer(model_max_length: int = 256) -> PreTrainedTokenizerFast
 
     Ids 0-3 are the quickstart's ``<pad>``, ``<bos>``, ``<eos>``, ``<unk>``; then the role markers, the tool-call
     delimiters and one token per character of :data:`TOOL_ALPHABET`. Encoding adds nothing (the chat template writes
-    ``<bos>``), padding and truncation are on the left (as GRPO generation needs). Both templates are saved in
-    ``tokenizer_config.json`` by ``save_pretrained`` and come back with ``AutoTokenizer.from_pretrained``.
+    ``<bos>``), padding and truncation are on the left (as GRPO generation needs). ``save_pretrained`` writes the
+    response template into ``tokenizer_config.json`` and the chat template into ``chat_template.jinja``; both come
+    back with ``AutoTokenizer.from_pretrained``. Without ``response_template`` TRL would call ``add_response_schema``,
+    which knows only TRL's shipped chat templates.
     """
     markers = ROLE_TOKENS + TOOL_CALL_TOKENS
     vocab = {token: i for i, token in enumerate(SPECIAL_TOKENS + markers + tuple(TOOL_ALPHABET))}
@@ -196,7 +199,7 @@ class CalculatorEnv:
         self.calls.append((a, b))
         for value in (a, b):
             if not 0 <= value <= self.limit:
-                raise ValueError(f"operand {value} out of range 0..{self.limit}")
+                raise ValueError(f"{value} out of range")
         return a + b
 
 
@@ -256,30 +259,43 @@ def tool_answer_reward(completions: list[list[dict]], answer: list[str], **kwarg
 
 def build_tool_model(
     output_dir: str | None = None,
-    sft_steps: int = 300,
+    sft_steps: int = 500,
     seed: int = 0,
     *,
+    max_operand: int = MAX_OPERAND,
     config_overrides: dict[str, Any] | None = None,
+    num_threads: int | None = 1,
     **sft_kwargs: Any,
 ) -> tuple[PreTrainedModel, PreTrainedTokenizerFast]:
     """The tiny Qwen3-MoE of the quickstart with :data:`TOOL_MODEL_CONFIG`, cold-started to call :func:`add`.
 
-    Runs ``sft_steps`` steps of TRL's ``SFTTrainer`` (through :func:`~trl_gspo.quickstart.cold_start.sft_cold_start`)
-    on :func:`make_tool_sft_dataset`, loss on the assistant turns only. ``config_overrides`` update
-    :data:`TOOL_MODEL_CONFIG`; ``sft_kwargs`` go to ``sft_cold_start`` (learning rate, batch size, SFTConfig fields).
-    With ``output_dir`` the model and tokenizer are saved there (a directory vLLM can load). Returns
-    ``(model, tokenizer)``, the model in eval mode.
+    Runs ``sft_steps`` steps of TRL's ``SFTTrainer`` (through :func:`~trl_gspo.quickstart.cold_start.sft_cold_start`,
+    batch 16, learning rate 3e-3 unless ``sft_kwargs`` say otherwise) on :func:`make_tool_sft_dataset` with operands up
+    to ``max_operand``, loss on the assistant turns only. ``config_overrides`` update :data:`TOOL_MODEL_CONFIG`.
+    ``num_threads`` sets torch's intra-op threads for the cold start (restored after; ``None`` leaves them): this
+    model is so small that one thread beats two, by far on a busy machine. With ``output_dir`` the model and
+    tokenizer are saved there (a directory vLLM can load). Returns ``(model, tokenizer)``, the model in eval mode.
+
+    Measured with the defaults (2-core machine shared with other jobs, one thread): about 44 s; sampling at
+    temperature 1, 92% of first turns are well-formed ``add`` calls, 66% with the prompt's operands, and 62% of
+    episodes end with the right sum.
     """
     tokenizer = build_tool_tokenizer()
     model = build_model(tokenizer, config_overrides={**TOOL_MODEL_CONFIG, **(config_overrides or {})}, seed=seed)
-    batch_size = sft_kwargs.pop("per_device_train_batch_size", 32)
-    dataset = make_tool_sft_dataset(max(sft_steps * batch_size, 1), seed=seed + 10_000)
+    batch_size = sft_kwargs.pop("per_device_train_batch_size", 16)
+    dataset = make_tool_sft_dataset(max(sft_steps * batch_size, 1), seed=seed + 10_000, max_operand=max_operand)
     sft_kwargs.setdefault("assistant_only_loss", True)
     sft_kwargs.setdefault("max_length", tokenizer.model_max_length)
+    threads = torch.get_num_threads()
     if sft_steps > 0:
-        with tempfile.TemporaryDirectory() as scratch:
-            model = sft_cold_start(model, tokenizer, scratch, max_steps=sft_steps, seed=seed, dataset=dataset,
-                                   per_device_train_batch_size=batch_size, **sft_kwargs)
+        try:
+            if num_threads is not None:
+                torch.set_num_threads(num_threads)
+            with tempfile.TemporaryDirectory() as scratch:
+                model = sft_cold_start(model, tokenizer, scratch, max_steps=sft_steps, seed=seed, dataset=dataset,
+                                       per_device_train_batch_size=batch_size, **sft_kwargs)
+        finally:
+            torch.set_num_threads(threads)
     model.eval()
     if output_dir is not None:
         model.save_pretrained(output_dir)
