@@ -1,6 +1,6 @@
 """MoE routing inside the trainer: which pass records, what each pass replays, and the routing metrics.
 
-`GSPOTrainer` calls one `TrainerRouting` at five points of a training step and nothing else of routing:
+`GSPOTrainer` calls one `TrainerRouting` at these points of a training step and nothing else of routing:
 
     generation (TRL)       `sampling()` around HF `generate`/vLLM    R3: records the sampler's routes (and log-probs)
     end of TRL's rollout   `end_sampling(prompts, completions, ..)`  R3: one route per token, stitched across turns
