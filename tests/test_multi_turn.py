@@ -86,16 +86,17 @@ def _sample_of(rollout, prompt, completion):
     raise AssertionError("a scored row matches no sample of the round")
 
 
-def _reference_loss(logps, old_logps, advantages, mask):
+def _reference(logps, old_logps, advantages, mask, eps_low, eps_high):
     """GSPO (arXiv 2507.18071 eq. 5-7) in float64: J = mean_i min(s_i A_i, clip(s_i, 1-eps_l, 1+eps_h) A_i),
-    s_i = exp(mean over the policy's tokens of log pi/pi_old); the loss is -J."""
+    s_i = exp(mean over the policy's tokens of log pi/pi_old); returns the loss -J, mean s_i and the share of
+    sequences whose objective the clip binds."""
     logps, old_logps, mask = logps.double(), old_logps.double(), mask.double()
     length = mask.sum(-1)  # |y_i|: the policy's tokens only
     s = torch.exp(((logps - old_logps) * mask).sum(-1) / length)
     a = advantages.double()
-    objective = torch.minimum(s * a, s.clamp(1 - EPS_LOW, 1 + EPS_HIGH) * a)
-    clipped = ((s < 1 - EPS_LOW) & (a < 0)) | ((s > 1 + EPS_HIGH) & (a > 0))
-    return -objective.mean(), clipped.double().mean()
+    objective = torch.minimum(s * a, s.clamp(1 - eps_low, 1 + eps_high) * a)
+    clipped = ((s < 1 - eps_low) & (a < 0)) | ((s > 1 + eps_high) & (a > 0))
+    return -objective.mean(), s.mean(), clipped.double().mean()
 
 
 @pytest.mark.parametrize("loss_type", ["gspo", "gspo_token", "grpo"])
@@ -108,11 +109,14 @@ def test_tool_loop_trains_with_every_loss_type(loss_type, tool_model_dir, tmp_pa
     assert all(math.isfinite(h["loss"]) for h in trainer.state.log_history if "loss" in h)
 
 
-@pytest.mark.parametrize("environment", [False, True])
-def test_gspo_loss_counts_only_the_policys_tokens(environment, tool_model_dir, tmp_path):
-    """Every training pass's loss equals the float64 reference over completion_mask * tool_mask, on off-policy
-    mini-batches too (2 per rollout batch), and the logged clip ratio its clipped share."""
-    trainer = _trainer(tool_model_dir, tmp_path, environment=environment, loss_type="gspo")
+@pytest.mark.parametrize("environment, band", [(False, (EPS_LOW, EPS_HIGH)), (True, (0.99, 100.0))])
+def test_gspo_loss_counts_only_the_policys_tokens(environment, band, tool_model_dir, tmp_path):
+    """Every training pass's loss, logged mean ratio and clipped share equal the float64 reference over
+    completion_mask * tool_mask, on off-policy mini-batches too (2 per rollout batch). In the paper's band almost
+    every off-policy sequence is clipped (the loss then no longer depends on s_i); a band that clips nothing shows the
+    tool tokens are really left out of s_i and |y_i|: counting them gives another loss."""
+    trainer = _trainer(tool_model_dir, tmp_path, environment=environment, loss_type="gspo", epsilon=band[0],
+                       epsilon_high=band[1])
     trainer.aux_loss_enabled = False  # the loss is then the policy loss alone (the MoE aux loss is TRL's, tested there)
     seen, compute_loss = [], trainer._compute_loss
     scoring = trainer._get_per_token_logps_and_entropies
@@ -131,22 +135,24 @@ def test_gspo_loss_counts_only_the_policys_tokens(environment, tool_model_dir, t
 
     trainer._compute_loss, trainer._get_per_token_logps_and_entropies = computing, scored
     trainer.train()
-    with_tools = 0
-    for entry in seen:
+    steps = [h for h in trainer.state.log_history if "gspo/ratio_mean" in h]
+    assert len(steps) == len(seen) == 4  # logging_steps=1, one micro-batch per step
+    tool_tokens_moved_the_loss = 0
+    for entry, logged in zip(seen, steps):
         inputs = entry["inputs"]
         policy = inputs["completion_mask"] * inputs["tool_mask"]
         old = inputs.get("old_per_token_logps")
         old = entry["logps"] if old is None else old
-        expected, _ = _reference_loss(entry["logps"], old, inputs["advantages"], policy)
-        assert entry["loss"].double().item() == pytest.approx(expected.item(), abs=1e-6)
-        if bool((inputs["tool_mask"] == 0).any()):
-            with_tools += 1
-            counted_tools, _ = _reference_loss(entry["logps"], old, inputs["advantages"], inputs["completion_mask"])
-            if not torch.equal(entry["logps"], old):  # an off-policy mini-batch: tool tokens would move the ratio
-                assert abs(counted_tools.item() - expected.item()) > 1e-7
-    assert with_tools >= 1 and any(bool((e["inputs"]["advantages"] != 0).any()) for e in seen)
-    clip_logs = [h for h in trainer.state.log_history if "clip_ratio/region_mean" in h]
-    assert clip_logs
+        loss, ratio, clipped = _reference(entry["logps"], old, inputs["advantages"], policy, *band)
+        assert entry["loss"].double().item() == pytest.approx(loss.item(), abs=1e-6)
+        assert logged["gspo/ratio_mean"] == pytest.approx(ratio.item(), rel=1e-4)
+        assert logged["clip_ratio/region_mean"] == pytest.approx(clipped.item(), abs=1e-6)
+        counted, _, _ = _reference(entry["logps"], old, inputs["advantages"], inputs["completion_mask"], *band)
+        tool_tokens_moved_the_loss += abs(counted.item() - loss.item()) > 1e-6
+    assert any(bool((e["inputs"]["tool_mask"] == 0).any()) for e in seen)
+    assert any(bool((e["inputs"]["advantages"] != 0).any()) for e in seen)
+    if band[1] > 1:  # nothing clipped: s_i, and with it the loss, depends on which tokens count
+        assert tool_tokens_moved_the_loss >= 1
 
 
 # ---------------------------------------------------------------- R3 across turns, against an independent reference

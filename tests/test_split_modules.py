@@ -56,8 +56,9 @@ def test_glue_is_none_for_dense_models_and_refuses_replay_there(tokenizer):
     assert TrainerRouting.build(dense, _args(routing_replay="none"), old_pass_runs=True) is None
     with pytest.raises(ValueError, match="no MoE router"):
         TrainerRouting.build(dense, _args(), old_pass_runs=True)
-    with pytest.raises(ValueError, match="rollout_func change them"):
-        TrainerRouting.build(build_model(tokenizer), _args(routing_replay="sampler"), True, rewrites_completions=True)
+    tool_turns_on_tp2 = _args(routing_replay="sampler", use_vllm=True, vllm_mode="colocate", vllm_tensor_parallel_size=2)
+    with pytest.raises(ValueError, match="TRL 1.16 slices each tool turn"):
+        TrainerRouting.build(build_model(tokenizer), tool_turns_on_tp2, True, multi_turn=True)
 
 
 def _policy_call(model, ids, mask):
@@ -102,9 +103,11 @@ def test_r3_lays_the_sampler_routes_over_the_batch_and_replays_them(tokenizer):
     with torch.no_grad(), glue.round(training=True):
         with glue.sampling(lambda: model) as finish:
             sequences = model.generate(**prompts, do_sample=True, max_new_tokens=4, pad_token_id=tokenizer.pad_token_id)
-            logprobs = finish([4, 4, 4], None)
+            width = prompts["input_ids"].shape[1]
+            prompt_ids = [row[m.bool()].tolist() for row, m in zip(prompts["input_ids"], prompts["attention_mask"])]
+            logprobs = finish(prompt_ids, sequences[:, width:].tolist(), None)
         assert "generate" not in vars(model) and [len(row) for row in logprobs] == [4, 4, 4]
-        width = prompts["input_ids"].shape[1]
+        glue.end_sampling(prompt_ids, sequences[:, width:].tolist(), {})
         mask = torch.ones_like(sequences)
         mask[:, :width] = prompts["attention_mask"]
         glue.policy_pass(_policy_call(model, sequences, mask), sequences, mask, 4)
