@@ -73,12 +73,13 @@ def test_the_command_never_reaches_the_training_code():
 
 
 def test_recipe_and_rewards_know_no_trainer_and_no_entry_point():
-    for name in ("trl_gspo.recipe", "trl_gspo.rewards"):
+    for name in ("trl_gspo.recipe", "trl_gspo.rewards", "trl_gspo.tool_registry"):
         assert not _reaches(name) & {"trl_gspo.cli", "trl_gspo.train", "trl_gspo.trainer"}, name
 
 
 def test_the_library_never_imports_the_command_side():
-    command_side = {"trl_gspo.cli", "trl_gspo.train", "trl_gspo.recipe", "trl_gspo.rewards"} | {
+    command_side = {"trl_gspo.cli", "trl_gspo.train", "trl_gspo.recipe", "trl_gspo.rewards",
+                    "trl_gspo.tool_registry"} | {
         name for name in MODULES if name.startswith("trl_gspo.quickstart")}
     for name in ("trl_gspo.losses", "trl_gspo.config", "trl_gspo.trainer", "trl_gspo.routing"):
         assert not _reaches(name) & command_side, name

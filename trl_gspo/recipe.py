@@ -262,9 +262,9 @@ def describe(script_args, training_args, model_args, dataset_args, launch_args) 
     if script_args.sft_steps:
         lines.insert(3, f"sft cold start: {script_args.sft_steps} steps at lr {script_args.sft_learning_rate}")
     if script_args.tools or script_args.environment_factory:
-        credit = script_args.failed_tool_credit
+        environment, credit = script_args.environment_factory, script_args.failed_tool_credit
         lines.insert(3, f"tools:          {script_args.tools or []}"
-                        f"{f', environment_factory={script_args.environment_factory}' if script_args.environment_factory else ''}"
+                        f"{f', environment_factory={environment}' if environment else ''}"
                         f", max_tool_calling_iterations={args.max_tool_calling_iterations}"
                         f"{f', failed_tool_credit={credit} (ToolCreditGSPOTrainer)' if credit is not None else ''}")
     return "\n".join(lines)
