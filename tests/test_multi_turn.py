@@ -23,18 +23,11 @@ from trl_gspo import GSPOTrainer
 from trl_gspo.quickstart.tools import CalculatorEnv, add, make_tool_rl_dataset, tool_answer_reward
 from trl_gspo.routing import RoutingReplay
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("one_torch_thread")]
 
 EPS_LOW, EPS_HIGH = 3e-4, 4e-4
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """The tool model is so small that one torch thread is much faster than two (measured 5-40x on 2 busy cores)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 def _varied_reward(completions, **kwargs):

@@ -23,15 +23,7 @@ from trl_gspo.quickstart.tools import (
 )
 
 os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")  # environment_factory's "experimental" warning
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    """This model is so small that one torch thread is faster than two (much faster on a busy machine)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 CALL = {"type": "function", "function": {"name": "add", "arguments": {"a": 12, "b": 34}}}
 EPISODE = [
