@@ -181,3 +181,12 @@ def test_reference_pass_is_told_by_the_adapter_state():
     assert not _reference_pass(SimpleNamespace(disable_adapters=False, active_adapters=["default"]))
     assert _reference_pass(SimpleNamespace(disable_adapters=True, active_adapters=["default"]))
     assert _reference_pass(SimpleNamespace(disable_adapters=False, active_adapters=["ref"]))
+
+
+def test_rollout_func_routes_without_r3_are_dropped_with_a_warning(tokenizer, caplog):
+    glue = TrainerRouting.build(build_model(tokenizer), _args(routing_replay="old"), old_pass_runs=True)
+    extra = {"routed_experts": [None], "answer": ["3"]}
+    with glue.round(training=True):
+        glue.end_sampling([[1, 5]], [[6, 2]], extra)
+    assert extra == {"answer": ["3"]}  # never reaches the reward functions
+    assert "only routing_replay='sampler' replays" in caplog.text

@@ -154,6 +154,10 @@ class TrainerRouting:
         (TRL's unpadded token lists), stitched across the turns of a tool loop (`trl_gspo.routing.turns`), or read
         from a rollout_func's `routed_experts` (taken out of `extra_fields`, so reward functions never see them)."""
         rollout_routes = extra_fields.pop(ROLLOUT_ROUTES_KEY, None)
+        if rollout_routes is not None and self.mode != "sampler":
+            logger.warning_once(f"the rollout_func returned {ROLLOUT_ROUTES_KEY!r}, which only routing_replay='sampler' "
+                                f"replays; with routing_replay={self.mode!r} they are dropped. Fix: set "
+                                "routing_replay='sampler' to replay them, or stop returning them.")
         if not self._sampling:
             return
         dtype = route_dtype(self.replay.num_experts, self.replay.top_k)
