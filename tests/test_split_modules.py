@@ -56,7 +56,8 @@ def test_glue_is_none_for_dense_models_and_refuses_replay_there(tokenizer):
     assert TrainerRouting.build(dense, _args(routing_replay="none"), old_pass_runs=True) is None
     with pytest.raises(ValueError, match="no MoE router"):
         TrainerRouting.build(dense, _args(), old_pass_runs=True)
-    tool_turns_on_tp2 = _args(routing_replay="sampler", use_vllm=True, vllm_mode="colocate", vllm_tensor_parallel_size=2)
+    tool_turns_on_tp2 = _args(routing_replay="sampler", use_vllm=True, vllm_mode="colocate",
+                              vllm_tensor_parallel_size=2)
     with pytest.raises(ValueError, match="TRL 1.16 slices each tool turn"):
         TrainerRouting.build(build_model(tokenizer), tool_turns_on_tp2, True, multi_turn=True)
 

@@ -155,9 +155,9 @@ class TrainerRouting:
         from a rollout_func's `routed_experts` (taken out of `extra_fields`, so reward functions never see them)."""
         rollout_routes = extra_fields.pop(ROLLOUT_ROUTES_KEY, None)
         if rollout_routes is not None and self.mode != "sampler":
-            logger.warning_once(f"the rollout_func returned {ROLLOUT_ROUTES_KEY!r}, which only routing_replay='sampler' "
-                                f"replays; with routing_replay={self.mode!r} they are dropped. Fix: set "
-                                "routing_replay='sampler' to replay them, or stop returning them.")
+            logger.warning_once(f"the rollout_func returned {ROLLOUT_ROUTES_KEY!r}, which only "
+                                f"routing_replay='sampler' replays; with routing_replay={self.mode!r} they are "
+                                "dropped. Fix: set routing_replay='sampler' to replay them, or stop returning them.")
         if not self._sampling:
             return
         dtype = route_dtype(self.replay.num_experts, self.replay.top_k)

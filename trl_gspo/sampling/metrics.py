@@ -27,8 +27,8 @@ from ..routing import RoutingReplayError
 
 logger = logging.get_logger(__name__)
 
-__all__ = ["SAMPLER_GAP_FLOOR", "SamplerWatch", "check_sampler_round", "finish_mismatch", "log_turns", "mismatch_sums", "model_turns",
-           "sampler_drifted", "sampling_metrics"]
+__all__ = ["SAMPLER_GAP_FLOOR", "SamplerWatch", "check_sampler_round", "finish_mismatch", "log_turns",
+           "mismatch_sums", "model_turns", "sampler_drifted", "sampling_metrics"]
 
 # A round's mean |log r_t| counts as drift when it exceeds both DRIFT_FACTOR x the first round's and the first round's
 # + DRIFT_MARGIN nats. Measured on CPU (docs/sampling.md): a correct bf16 engine stays near its round-1 gap as

@@ -212,7 +212,8 @@ def routes_from_vllm(request_outputs, index_dtype: torch.dtype = torch.uint8, *,
     return SampledRoutes(prompt_routes, completion_routes, sampler_logps=[])
 
 
-def routes_from_rollout_func(routes, prompt_ids, completion_ids, index_dtype: torch.dtype = torch.uint8) -> SampledRoutes:
+def routes_from_rollout_func(routes, prompt_ids, completion_ids,
+                             index_dtype: torch.dtype = torch.uint8) -> SampledRoutes:
     """A rollout_func's `routed_experts` (one integer array per sample, `[len(prompt) + len(completion) - 1, layers,
     top_k]`: vLLM's layout, so vLLM's arrays pass through unchanged) split like `routes_from_vllm`, after refusing a
     count or shape that does not fit the samples TRL received from the same rollout_func."""
