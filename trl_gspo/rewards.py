@@ -65,7 +65,8 @@ def resolve_rewards(script_args) -> list:
             raise RecipeError(f"`reward_funcs`: {name} is TRL's factory of a reward, it needs arguments. Fix: in "
                               f"your module, `my_reward = {name}(...)`, then name it `reward_funcs: [module.my_reward]`.")
         elif "." in name:
-            rewards.append(_import_reward(name))
+            rewards.append(import_named("reward_funcs", name, "function", callable,
+                                        "name a function `f(completions, **kwargs) -> list[float]`"))
         else:
             raise RecipeError(f"`reward_funcs`: unknown reward {name!r}. Fix: use one of {sorted(registry)} or a "
                               "dotted path `module.function`.")
@@ -74,16 +75,19 @@ def resolve_rewards(script_args) -> list:
     return rewards
 
 
-def _import_reward(path: str):
+def import_named(key: str, path: str, kind: str, check, fix: str | None = None):
+    """The attribute a recipe's dotted `module.attribute` path names (for `reward_funcs`, `tools`,
+    `environment_factory`); a module next to where the command runs is found, as `trl grpo` finds it. Raises
+    `RecipeError` naming `key` when it cannot be imported or `check(value)` fails (`fix`: what to name instead)."""
     module_name, attribute = path.rsplit(".", 1)
     if os.getcwd() not in sys.path:
-        sys.path.insert(0, os.getcwd())  # as `trl grpo`: modules next to where the command runs
+        sys.path.insert(0, os.getcwd())
     try:
-        reward = getattr(importlib.import_module(module_name), attribute)
+        value = getattr(importlib.import_module(module_name), attribute)
     except (ImportError, AttributeError) as err:
-        raise RecipeError(f"`reward_funcs`: cannot import {path!r} ({err}). Fix: give an importable "
-                          "`module.function` path.") from None
-    if not callable(reward):
-        raise RecipeError(f"`reward_funcs`: {path!r} is a {type(reward).__name__}, not a function. Fix: name a "
-                          "function `f(completions, **kwargs) -> list[float]`.")
-    return reward
+        raise RecipeError(f"`{key}`: cannot import {path!r} ({err}). Fix: give an importable `module.{kind}` "
+                          "path.") from None
+    if not check(value):
+        raise RecipeError(f"`{key}`: {path!r} is a {type(value).__name__}, not a {kind}. Fix: "
+                          f"{fix or f'name a {kind}'}.")
+    return value

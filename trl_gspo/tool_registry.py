@@ -8,12 +8,10 @@ command runs is found, as for `reward_funcs`). Imports no trainer; raises `Recip
 
 from __future__ import annotations
 
-import importlib
 import inspect
-import os
-import sys
 
 from .recipe import RecipeError
+from .rewards import import_named
 
 
 def tool_registry() -> dict:
@@ -44,7 +42,7 @@ def resolve_tools(script_args) -> dict:
             if name in registry:
                 tools.append(registry[name])
             elif "." in name:
-                tools.append(_import("tools", name, "function", callable))
+                tools.append(import_named("tools", name, "function", callable))
             else:
                 raise RecipeError(f"`tools`: unknown tool {name!r}. Fix: use one of {sorted(registry)} or a dotted "
                                   "path `module.function` (a typed function with a docstring, as TRL requires).")
@@ -55,22 +53,8 @@ def resolve_tools(script_args) -> dict:
         if name in registry:
             kwargs["environment_factory"] = registry[name]
         elif "." in name:
-            kwargs["environment_factory"] = _import("environment_factory", name, "class", inspect.isclass)
+            kwargs["environment_factory"] = import_named("environment_factory", name, "class", inspect.isclass)
         else:
             raise RecipeError(f"`environment_factory`: unknown environment {name!r}. Fix: use one of "
                               f"{sorted(registry)} or a dotted path `module.Class` (a class with a `reset` method).")
     return kwargs
-
-
-def _import(key: str, path: str, kind: str, check):
-    module_name, attribute = path.rsplit(".", 1)
-    if os.getcwd() not in sys.path:
-        sys.path.insert(0, os.getcwd())  # as for reward_funcs: modules next to where the command runs
-    try:
-        value = getattr(importlib.import_module(module_name), attribute)
-    except (ImportError, AttributeError) as err:
-        raise RecipeError(f"`{key}`: cannot import {path!r} ({err}). Fix: give an importable `module.{kind}` "
-                          "path.") from None
-    if not check(value):
-        raise RecipeError(f"`{key}`: {path!r} is a {type(value).__name__}, not a {kind}. Fix: name a {kind}.")
-    return value
