@@ -38,7 +38,13 @@ def build_tokenizer(model_max_length: int = 128) -> PreTrainedTokenizerFast:
         special_tokens=[(BOS_TOKEN, vocab[BOS_TOKEN])],
     )
 
-    tokenizer = PreTrainedTokenizerFast(
+    return wrap_backend(backend, model_max_length)
+
+
+def wrap_backend(backend: Tokenizer, model_max_length: int) -> PreTrainedTokenizerFast:
+    """A `tokenizers` backend as a transformers tokenizer with this module's special tokens, padding and truncation on
+    the left (GRPO generation needs left padding)."""
+    return PreTrainedTokenizerFast(
         tokenizer_object=backend,
         bos_token=BOS_TOKEN,
         eos_token=EOS_TOKEN,
@@ -49,4 +55,3 @@ def build_tokenizer(model_max_length: int = 128) -> PreTrainedTokenizerFast:
         clean_up_tokenization_spaces=False,
         model_max_length=model_max_length,
     )
-    return tokenizer

@@ -34,7 +34,7 @@ from transformers.utils import get_json_schema
 
 from .cold_start import sft_cold_start
 from .model import build_model
-from .tokenizer import ALPHABET, BOS_TOKEN, EOS_TOKEN, PAD_TOKEN, SPECIAL_TOKENS, UNK_TOKEN
+from .tokenizer import ALPHABET, EOS_TOKEN, SPECIAL_TOKENS, UNK_TOKEN, wrap_backend
 
 __all__ = [
     "TOOL_ALPHABET",
@@ -139,17 +139,7 @@ def build_tool_tokenizer(model_max_length: int = 256) -> PreTrainedTokenizerFast
     backend.add_special_tokens([AddedToken(t, special=True) for t in SPECIAL_TOKENS + ROLE_TOKENS])
     backend.add_tokens([AddedToken(t, special=False) for t in TOOL_CALL_TOKENS])
 
-    tokenizer = PreTrainedTokenizerFast(
-        tokenizer_object=backend,
-        bos_token=BOS_TOKEN,
-        eos_token=EOS_TOKEN,
-        pad_token=PAD_TOKEN,
-        unk_token=UNK_TOKEN,
-        padding_side="left",
-        truncation_side="left",
-        clean_up_tokenization_spaces=False,
-        model_max_length=model_max_length,
-    )
+    tokenizer = wrap_backend(backend, model_max_length)
     tokenizer.chat_template = TOOL_CHAT_TEMPLATE
     tokenizer.response_template = TOOL_RESPONSE_TEMPLATE
     return tokenizer
