@@ -118,17 +118,20 @@ def engine_dtype(llm) -> torch.dtype | None:
     return dtype if isinstance(dtype, torch.dtype) else None
 
 
+def _dtype_name(dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
 def warn_on_dtype_gap(sampler: torch.dtype | None, trainer: torch.dtype) -> bool:
     """Warn when the engine samples in another dtype than the trainer scores in; True if it warned. The gap alone
     moves token log-probs (measured on CPU, docs/sampling.md), which GSPO's 3e-4 sequence band sees."""
     if sampler is None or sampler == trainer:
         return False
-    name = lambda dtype: str(dtype).removeprefix("torch.")  # noqa: E731
     logger.warning(
-        f"vLLM samples in {name(sampler)} while the trainer computes in {name(trainer)}: the sampler's and the "
-        "trainer's log-probs and MoE routes differ by the precision gap alone, before any update (see "
+        f"vLLM samples in {_dtype_name(sampler)} while the trainer computes in {_dtype_name(trainer)}: the sampler's "
+        "and the trainer's log-probs and MoE routes differ by the precision gap alone, before any update (see "
         "sampling/* metrics and docs/sampling.md). Fix: set vllm_dtype to the trainer's dtype "
-        f"(vllm_dtype='{name(trainer)}'), or train in the sampler's (bf16=True).")
+        f"(vllm_dtype='{_dtype_name(trainer)}'), or train in the sampler's (bf16=True).")
     return True
 
 
@@ -138,17 +141,17 @@ def check_sampler_at_start(trainer, base_model) -> tuple[str, str]:
     (`check_server_returns_routes`). Returns the (sampler, trainer) compute dtype names, for the gap warnings."""
     args = trainer.args
     trainer_dtype = torch.bfloat16 if args.bf16 else torch.float16 if args.fp16 else base_model.dtype
-    name = lambda dtype: str(dtype).removeprefix("torch.")  # noqa: E731
+    trainer_name = _dtype_name(trainer_dtype)
     if not trainer.use_vllm:  # HF generate: the trainer's own model and autocast (DESIGN: same precision)
-        return name(trainer_dtype), name(trainer_dtype)
+        return trainer_name, trainer_name
     if trainer.vllm_mode == "colocate":
         sampler_dtype = engine_dtype(trainer.vllm_generation.llm)
         if trainer.accelerator.is_main_process:
             warn_on_dtype_gap(sampler_dtype, trainer_dtype)
-        return ("unknown" if sampler_dtype is None else name(sampler_dtype)), name(trainer_dtype)
+        return ("unknown" if sampler_dtype is None else _dtype_name(sampler_dtype)), trainer_name
     if getattr(args, "routing_replay", "none") == "sampler" and trainer.accelerator.is_main_process:
         check_server_returns_routes(trainer.vllm_generation.vllm_client)
-    return "server's (unknown)", name(trainer_dtype)
+    return "server's (unknown)", trainer_name
 
 
 @contextlib.contextmanager
