@@ -8,6 +8,8 @@ from dataclasses import dataclass, field
 from transformers.utils import logging
 from trl import GRPOConfig
 
+from .sampling.old_logps import check_old_logps_option
+
 logger = logging.get_logger(__name__)  # transformers' logger: adds `warning_once`
 
 GSPO_LOSS_TYPES = ("gspo", "gspo_token")
@@ -51,7 +53,8 @@ NON_LOSS_FIELDS = (
     "log_completions", "log_multimodal", "num_completions_to_print", "log_unique_prompts", "log_completions_hub_repo",
 )
 # Fields `GSPOConfig` adds to `GRPOConfig`.
-GSPO_CONFIG_FIELDS = ("routing_replay", "routing_replay_offload", "routing_replay_min_agreement", "vllm_dtype")
+GSPO_CONFIG_FIELDS = ("routing_replay", "routing_replay_offload", "routing_replay_min_agreement", "vllm_dtype",
+                      "old_logps")
 VLLM_DTYPES = ("auto", "float32", "bfloat16", "float16")
 DEFAULT_MIN_ROUTE_AGREEMENT = 0.75  # routing_replay_min_agreement's default (a plain GRPOConfig has no such field)
 
@@ -167,6 +170,17 @@ class GSPOConfig(GRPOConfig):
         },
     )
 
+    old_logps: str = field(
+        default="trainer",
+        metadata={
+            "help": "Where pi_old comes from. 'trainer': TRL's old-policy pass recomputes it with the trainer. "
+            "'sampler': the sampler's per-token log-probs (vLLM's, or those R3 records during HF generate), no "
+            "old-policy pass (GSPO paper Sec. 5.4); TRL's vLLM importance-sampling correction is then the identity "
+            "and turned off. Safe only when the sampler computes in the trainer's precision: a bfloat16 engine "
+            "against a float32 trainer puts most sequences outside GSPO's clip band (measured, docs/gspo.md)."
+        },
+    )
+
     def __post_init__(self):
         _check_types(self)
         is_gspo = self.loss_type in GSPO_LOSS_TYPES
@@ -189,7 +203,7 @@ class GSPOConfig(GRPOConfig):
 _FIELD_TYPES = {"loss_type": (str, "a string", "'gspo'"), "importance_sampling_level": (str, "a string", "'sequence'"),
                 "routing_replay": (str, "a string", "'old'"), "routing_replay_offload": (bool, "a bool", "True"),
                 "routing_replay_min_agreement": (numbers.Real, "a number", "0.75"),
-                "vllm_dtype": (str, "a string", "'float32'"),
+                "vllm_dtype": (str, "a string", "'float32'"), "old_logps": (str, "a string", "'sampler'"),
                 "epsilon": (numbers.Real, "a number", "3e-4"), "epsilon_high": (numbers.Real, "a number", "4e-4"),
                 "beta": (numbers.Real, "a number", "0.0"), "delta": (numbers.Real, "a number", "1.5"),
                 "steps_per_generation": (numbers.Integral, "an integer", "4")}
@@ -240,6 +254,7 @@ def validate_gspo_args(args: GRPOConfig) -> None:
     if not 0 <= min_agreement <= 1:
         raise _error("routing_replay_min_agreement", f"must lie in [0, 1], got {min_agreement}.",
                      "use the default 0.75, or 0 to turn the check off.")
+    check_old_logps_option(args)
     vllm_dtype = getattr(args, "vllm_dtype", "auto")
     if vllm_dtype not in VLLM_DTYPES:
         raise _error("vllm_dtype", f"unknown value {vllm_dtype!r}.", f"use one of {', '.join(map(repr, VLLM_DTYPES))}.")

@@ -5,16 +5,12 @@ from __future__ import annotations
 
 import contextlib
 import inspect
-import os
 
 import torch
-from transformers import PreTrainedModel
 from transformers.utils import logging
 from trl import GRPOTrainer
 
 from . import metrics as gspo_metrics
-from .checkpoints import (has_full_weights, load_full_weights, resolve_resume_from_checkpoint, restore_rollout_state,
-                          rollout_buffer_path, rollout_layout, save_rollout_buffer)
 from .config import (DEFAULT_MIN_ROUTE_AGREEMENT, GSPO_LOSS_TYPES, PAPER_EPSILON_HIGH, PAPER_EPSILON_LOW, GSPOConfig,
                      refuse_unused_token_advantages, runs_old_policy_pass, validate_gspo_args, warn_about_setup)
 from .losses import (
@@ -30,8 +26,10 @@ from .losses import (
 )
 from .model_checks import check_model
 from .sampling.metrics import SamplerWatch, log_turns, sampling_metrics
+from .sampling.old_logps import SamplerOldLogps
 from .sampling.vllm import capture_routes, check_sampler_at_start, engine_options, trainer_engine_options
-from .trainer_routing import TrainerRouting
+from .trainer_checkpoints import CheckpointMixin
+from .trainer_routing import TrainerRouting, _first_adapter_layer, _reference_pass
 from .trl_options import apply_trl_options
 
 logger = logging.get_logger(__name__)  # transformers' logger: adds `warning_once`
@@ -46,7 +44,7 @@ _FORWARD_BATCH_KEYS = tuple(
 )
 
 
-class GSPOTrainer(GRPOTrainer):
+class GSPOTrainer(CheckpointMixin, GRPOTrainer):
     """Drop-in replacement for `trl.GRPOTrainer` that adds `loss_type="gspo"` and `loss_type="gspo_token"`.
 
     Takes exactly `GRPOTrainer`'s arguments. `args` may be a `GSPOConfig` (paper presets for gspo types) or TRL's
@@ -76,32 +74,44 @@ class GSPOTrainer(GRPOTrainer):
         base = self.accelerator.unwrap_model(self.model)
         base = base.get_base_model() if hasattr(base, "get_base_model") else base
         # warns on a dtype gap; server mode with R3: refuses a server that returns no routes (`trl-gspo vllm-serve`)
+        dtypes = check_sampler_at_start(self, base)
         self._sampler_watch = SamplerWatch(getattr(args, "routing_replay_min_agreement", DEFAULT_MIN_ROUTE_AGREEMENT),
-                                           check_sampler_at_start(self, base))
+                                           dtypes)
+        self._adapter_layer = _first_adapter_layer(base)
+        self._sampler_logps = SamplerOldLogps.build(self, self._clip_band(), dtypes)  # old_logps="sampler", or None
         self._routing = TrainerRouting.build(base, self.args, runs_old_policy_pass(self.args),
                                              multi_turn=bool(self.tools), num_processes=self.accelerator.num_processes)
         self._replay_stack, self._replay_opened = None, False  # open while a micro-batch runs forward and backward
 
     # ------------------------------------------------------------------ MoE routing (trl_gspo/trainer_routing.py)
+    def _clip_band(self):  # "outside the clip band" for any loss type: GSPO's band for TRL's own types
+        return ((self.epsilon_low, self.epsilon_high) if self.loss_type in GSPO_LOSS_TYPES
+                else (PAPER_EPSILON_LOW, PAPER_EPSILON_HIGH))
+
     def _generate_and_score_completions(self, inputs):
+        if self._sampler_logps is not None:
+            self._sampler_logps.start_round(training=self.model.training)
         if self._routing is None:
             output, (counts, changed) = super()._generate_and_score_completions(inputs), (None, None)
         else:
             with self._routing.round(training=self.model.training):
                 output = self._routing.finish_round(super()._generate_and_score_completions(inputs))
                 counts, changed = self._routing.sampler_comparison()
+        if self._sampler_logps is not None:  # pi_old := the sampler's; its gap is measured in the first training step
+            return self._sampler_logps.finish_round(output)
         trainer_logps, sampler_logps = output.get("old_per_token_logps"), output.get("sampling_per_token_logps")
         if trainer_logps is not None and sampler_logps is not None:  # sampling/*: docs/sampling.md
             mask = output["completion_mask"] * output.get("tool_mask", 1)
-            mode = "train" if self.model.training else "eval"
-            band = ((self.epsilon_low, self.epsilon_high) if self.loss_type in GSPO_LOSS_TYPES
-                    else (PAPER_EPSILON_LOW, PAPER_EPSILON_HIGH))  # "outside GSPO's band" for any loss type
-            values = sampling_metrics(self.accelerator, trainer_logps, sampler_logps, mask, *band, changed, counts)
-            for name, value in values.items():
-                self._metrics[mode][name].append(value)
-            if mode == "train":  # stops on implausible R3 routes, announces a sampler drift (docs/sampling.md)
-                self._sampler_watch.check(values)
+            values = sampling_metrics(self.accelerator, trainer_logps, sampler_logps, mask, *self._clip_band(),
+                                      changed, counts)
+            self._log_sampler_values(values, training=self.model.training)
         return output
+
+    def _log_sampler_values(self, values, training):
+        for name, value in values.items():
+            self._metrics["train" if training else "eval"][name].append(value)
+        if training:  # stops on implausible R3 routes, announces a sampler drift or gap (docs/sampling.md)
+            self._sampler_watch.check(values)
 
     def _generate_single_turn(self, *args, **kwargs):
         if self._routing is None:
@@ -118,6 +128,8 @@ class GSPOTrainer(GRPOTrainer):
         output = super()._generate(prompts)  # (prompt_ids, completion_ids, tool_mask, ..., extra_fields, ...)
         if self._routing is not None:  # R3: one route per token, stitched across a tool loop's turns
             self._routing.end_sampling(output[0], output[1], output[5])
+        if self._sampler_logps is not None:
+            self._sampler_logps.keep(output[4])
         if output[2] is not None:  # a tool loop or a rollout_func's env_mask: model turns per sample
             log_turns(self.accelerator, self._metrics["train" if self.model.training else "eval"], output[2])
         return output
@@ -125,9 +137,18 @@ class GSPOTrainer(GRPOTrainer):
     def _get_per_token_logps_and_entropies(self, model, input_ids, attention_mask, logits_to_keep, *args, **kwargs):
         call = lambda: super(GSPOTrainer, self)._get_per_token_logps_and_entropies(  # noqa: E731
             model, input_ids, attention_mask, logits_to_keep, *args, **kwargs)
+        sampler = self._sampler_logps
+        if sampler is not None and sampler.answers_old_pass(model is self.model, _reference_pass(self._adapter_layer)):
+            return sampler.old_pass(logits_to_keep, input_ids.device)  # old_logps="sampler": no forward
         if self._routing is None or model is not self.model:  # the reference model keeps natural routing
-            return call()
-        return self._routing.policy_pass(call, input_ids, attention_mask, logits_to_keep)
+            result = call()
+        else:
+            result = self._routing.policy_pass(call, input_ids, attention_mask, logits_to_keep)
+        if sampler is not None and torch.is_grad_enabled() and self.model.training:  # the gap, on sampling weights
+            values = sampler.training_pass(result[0], self.accelerator, self.accelerator.sync_gradients)
+            if values is not None:
+                self._log_sampler_values(values, training=True)
+        return result
 
     def training_step(self, model, inputs, num_items_in_batch):
         if self._routing is None:
@@ -153,6 +174,8 @@ class GSPOTrainer(GRPOTrainer):
         super().log(logs, start_time)
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        if self._sampler_logps is not None:
+            self._sampler_logps.micro_batch(inputs, training=self.model.training)
         if self._replay_stack is not None and self.model.training:
             attention_mask = torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], dim=1)
             replay = self._routing.replay_for(inputs, attention_mask)
@@ -160,44 +183,6 @@ class GSPOTrainer(GRPOTrainer):
                 self._replay_stack.enter_context(replay)
                 self._replay_opened = True
         return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
-
-    # ------------------------------------------------------------------ checkpoints (trl_gspo/checkpoints.py)
-    def train(self, resume_from_checkpoint=None, *args, **kwargs):
-        """`Trainer.train`; `resume_from_checkpoint` may also be `"true"` / `"latest"` (the newest *complete*
-        checkpoint in `output_dir`, skipping incomplete ones with a warning naming each). A resume in the middle of a
-        rollout batch continues on the saved rollout batch, so it trains exactly as the uninterrupted run."""
-        warn = logger.warning if self.accelerator.is_main_process else (lambda message: None)
-        checkpoint = resolve_resume_from_checkpoint(resume_from_checkpoint, self.args.output_dir, warn=warn)
-        if checkpoint is not None:
-            restored = restore_rollout_state(checkpoint, self.args, self.num_iterations, self.accelerator.device,
-                                             warn=logger.warning_once)
-            if restored is not None:
-                self._step, self._buffered_inputs = restored  # TRL's micro-step counter and rollout mini-batches
-        return super().train(checkpoint, *args, **kwargs)
-
-    def _save_rng_state(self, output_dir: str) -> None:
-        super()._save_rng_state(output_dir)
-        save_rollout_buffer(rollout_buffer_path(output_dir, self.args.process_index), self._step,
-                            self._buffered_inputs, rollout_layout(self.args, self.num_iterations))
-        # trainer_state.json, written next by rank 0, marks the checkpoint complete: every rank's files come first.
-        self.accelerator.wait_for_everyone()
-
-    def _save_checkpoint(self, model, trial) -> None:
-        # Re-saving over a partial checkpoint of the same step: drop its old completion mark first.
-        stale = os.path.join(self._get_output_dir(trial=trial), f"checkpoint-{self.state.global_step}",
-                             "trainer_state.json")
-        if self.args.should_save and os.path.isfile(stale):
-            os.remove(stale)
-        super()._save_checkpoint(model, trial)
-
-    def _load_from_checkpoint(self, resume_from_checkpoint, model=None):
-        """Resume full-model weights through `from_pretrained` (`checkpoints.load_full_weights`: transformers'
-        own resume silently skips fused MoE experts). PEFT, DeepSpeed and FSDP checkpoints keep TRL's path."""
-        model = self.model if model is None else model
-        if (not isinstance(model, PreTrainedModel) or not has_full_weights(resume_from_checkpoint)
-                or self.is_deepspeed_enabled or self.is_fsdp_enabled):
-            return super()._load_from_checkpoint(resume_from_checkpoint, model)
-        load_full_weights(model, resume_from_checkpoint)
 
     def token_advantages(self, inputs: dict, mask: torch.Tensor) -> torch.Tensor:
         """Advantages per completion token, `(B, T)`, used by `loss_type="gspo_token"`.
