@@ -187,6 +187,39 @@ def test_float32_engine_matches_the_float32_trainer(tmp_path):
     assert max(h["sampling/abs_log_ratio_mean"] for h in rounds) < 1e-5
 
 
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_colocate_engine_trains_on_the_sampler_logps(dtype, tmp_path):
+    """`old_logps="sampler"` (GSPO paper Sec. 5.4) with R3 on a real engine: every round's old-policy pass is answered
+    with vLLM's log-probs (no scoring forward runs), and the gap is measured on the sampling weights (the first
+    mini-batch of each rollout, 16 sequences): a bfloat16 engine against the float32 trainer puts sequences outside
+    GSPO's band by precision alone (how many varies with the weights: docs/gspo.md), a float32 engine none."""
+    result = _run(tmp_path, routing_replay="sampler", old_logps="sampler", vllm_dtype=dtype, max_steps=8,
+                  per_device_train_batch_size=16)
+    assert result["checks"]["scoring_forwards"] == 0 and result["skipped_passes"] == 2
+    gaps = [h for h in result["log_history"] if "sampling/seq_outside_clip_band" in h]
+    announced = [w for w in result["warnings"] if w.startswith("SAMPLER LIKELIHOODS OUTSIDE THE CLIP BAND")]
+    assert len(gaps) == 2 and len(_steps(result)) == 8
+    outside = [h["sampling/seq_outside_clip_band"] for h in gaps]
+    if dtype == "bfloat16":  # ~1e-3 nats per token measured (docs/sampling.md)
+        assert max(outside) > 0 and all(1e-4 < h["sampling/abs_log_ratio_mean"] < 0.05 for h in gaps)
+    else:
+        assert max(outside) == 0 and max(h["sampling/abs_log_ratio_mean"] for h in gaps) < 1e-5
+    assert bool(announced) == any(share > 0.5 for share in outside)  # the guard follows its measurement
+    # TRL's importance-sampling correction against the sampler is the identity here: turned off, not logged
+    assert "sampling/importance_sampling_ratio/mean" not in set().union(*_steps(result))
+
+
+def test_a_sampler_gap_that_puts_most_sequences_outside_the_band_is_announced_at_once(tmp_path):
+    """The guard on a real engine: one whose routers differ from the trainer's (sync stubbed, learning rate 0)
+    samples with a gap far beyond GSPO's band; with old_logps='sampler' the first rollout says so, once."""
+    result = _run(tmp_path, routing_replay="sampler", old_logps="sampler", engine="perturbed_routers",
+                  learning_rate=0.0, routing_replay_min_agreement=0.0)
+    first = next(h for h in result["log_history"] if "sampling/seq_outside_clip_band" in h)
+    assert first["sampling/seq_outside_clip_band"] > 0.5
+    announced = [w for w in result["warnings"] if w.startswith("SAMPLER LIKELIHOODS OUTSIDE THE CLIP BAND")]
+    assert len(announced) == 1 and "in the first rollout" in announced[0] and "bfloat16 sampler" in announced[0]
+
+
 def test_all_zero_routes_from_a_silent_capture_are_refused(tmp_path):
     """A kernel that claims route capture but never reports (what a capture compiled away looks like): vLLM returns
     all-zero routes, which GSPOTrainer refuses before replaying them."""

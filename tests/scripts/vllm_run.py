@@ -236,7 +236,13 @@ def main():
     if engine in ("other_checkpoint", "perturbed_routers"):  # the engine keeps serving the other checkpoint
         trainer.vllm_generation.sync_weights = lambda: weight_syncs.append(0)
 
-    checks = {"passes": 0, "max_forced_diff": 0.0, "max_natural_diff": 0.0, "training_passes": 0}
+    checks = {"passes": 0, "max_forced_diff": 0.0, "max_natural_diff": 0.0, "training_passes": 0,
+              "scoring_forwards": 0}
+
+    def count_scoring(module, args):  # vLLM samples, so a no-grad forward of the HF policy is a scoring pass
+        checks["scoring_forwards"] += int(not torch.is_grad_enabled())
+
+    trainer.model.register_forward_pre_hook(count_scoring)
     if reference:
         outputs = []  # the raw RequestOutputs of the current round (server mode: every rank gets the main's)
         if server:
@@ -311,6 +317,7 @@ def main():
         print("RESULT " + json.dumps({"log_history": trainer.state.log_history, "checks": checks,
                                       "checks_per_rank": checks_per_rank, "weight_syncs": weight_syncs,
                                       "checksum": checksum, "warnings": warnings.messages,
+                                      "skipped_passes": getattr(trainer._sampler_logps, "skipped_passes", None),
                                       "world_size": trainer.accelerator.num_processes}), flush=True)
     trainer.accelerator.wait_for_everyone()
 

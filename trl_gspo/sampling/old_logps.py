@@ -81,7 +81,7 @@ def gap_warning(values: dict, band: tuple[float, float], dtypes: tuple[str, str]
             f"outside the clip band [1 - {band[0]:g}, 1 + {band[1]:g}] {'in the first rollout' if first else 'in this rollout'}, before "
             f"any update (mean |log ratio| {values['sampling/abs_log_ratio_mean']:.2e} nats, a {sampler} sampler "
             f"against a {trainer} trainer): the clip band measures the sampler's precision, not the policy's change, "
-            "and those sequences give no gradient. Fix: sample in the trainer's precision (vllm_dtype='float32' with "
+            "and each of those whose ratio lies on its advantage's side is clipped (no gradient). Fix: sample in the trainer's precision (vllm_dtype='float32' with "
             "a float32 trainer, or bf16=True), or recompute pi_old with old_logps='trainer'. docs/gspo.md, "
             "'Training on the sampler's likelihoods', has the measurements.")
 
