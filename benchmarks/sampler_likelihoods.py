@@ -136,7 +136,7 @@ def main():
 
     import torch
 
-    print(_setup.header("sampler_likelihoods", "cpu", torch.float32, "trainer float32"))
+    _setup.header("sampler_likelihoods", "cpu", torch.float32, "trainer float32")  # prints itself
     model_dir = build_cold_started(Path(options.cache) / "sampler_likelihoods_model")
     results = {}
     for sampler in options.samplers.split(","):

@@ -12,7 +12,7 @@ from transformers.utils import logging as hf_logging
 import trl_gspo.routing.rollout as rollout
 from trl_gspo import GSPOConfig, GSPOTrainer
 from trl_gspo.quickstart.model import build_model
-from trl_gspo.sampling.old_logps import MOST_OUTSIDE_BAND, SamplerOldLogps, gap_warning
+from trl_gspo.sampling.old_logps import MOST_OUTSIDE_BAND, SamplerOldLogps, check_server_logprobs, gap_warning
 
 
 def _config(tmp_path, **overrides):
@@ -33,6 +33,23 @@ def test_options_that_cannot_work_are_refused_naming_the_fix(overrides, message,
 
 def test_the_default_recomputes_pi_old(tmp_path):
     assert GSPOConfig(output_dir=str(tmp_path), use_cpu=True, bf16=False).old_logps == "trainer"
+
+
+class _Server:
+    base_url = "http://10.0.0.1:8000"
+
+    def __init__(self, mode):
+        self.mode = mode
+
+    def get_server_info(self):
+        return {"model_config": {"logprobs_mode": self.mode}}
+
+
+def test_a_server_without_processed_logprobs_is_refused():
+    check_server_logprobs(_Server("processed_logprobs"))
+    with pytest.raises(ValueError, match="logprobs mode 'raw_logprobs'") as error:
+        check_server_logprobs(_Server("raw_logprobs"))
+    assert "http://10.0.0.1:8000" in str(error.value) and "trl-gspo vllm-serve" in str(error.value)
 
 
 # ------------------------------------------------------------------ the pieces, against float64 references

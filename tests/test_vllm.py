@@ -328,6 +328,17 @@ def test_server_mode_r3_replays_the_routes_the_server_returned(vllm_server, tmp_
     assert result["weight_syncs"]  # TRL pushed the weights (stubbed) before the round, as on a GPU
 
 
+def test_server_mode_trains_on_the_servers_logps(vllm_server, tmp_path):
+    """`old_logps="sampler"` in server mode: the server (`trl-gspo vllm-serve`, processed log-probs, checked at
+    construction) supplies pi_old and the routes; no scoring forward runs in the trainer. Its routers are perturbed
+    (the fixture), so the gap is far outside GSPO's band and the guard announces it."""
+    url, trainer_dir = vllm_server
+    result = _run(tmp_path, model_dir=trainer_dir, server=url, routing_replay="sampler", old_logps="sampler",
+                  learning_rate=0.0, routing_replay_min_agreement=0.0, max_steps=4)
+    assert len(_steps(result)) == 4 and result["checks"]["scoring_forwards"] == 0 and result["skipped_passes"] == 1
+    assert any(w.startswith("SAMPLER LIKELIHOODS OUTSIDE THE CLIP BAND") for w in result["warnings"])
+
+
 def test_trl_gspo_vllm_serve_serves_a_dense_model_without_routes(tmp_path):
     """vLLM's engine refuses --enable-return-routed-experts for a model without experts (it stops at start-up), so
     `trl-gspo vllm-serve` leaves the flag out for a dense model and serves it as `trl vllm-serve` would. A trainer

@@ -94,6 +94,10 @@ class GSPOConfig(GRPOConfig):
             `4 * gradient_accumulation_steps` (4 optimizer updates per rollout, as in the paper) unless
             `generation_batch_size` is set. Equal to `gradient_accumulation_steps` with `num_iterations=1`
             means fully on-policy training: every ratio is exactly 1 and GSPO coincides with GRPO.
+        old_logps (`str`, defaults to `"trainer"`):
+            Where pi_old comes from. `"trainer"`: TRL's old-policy pass recomputes it. `"sampler"`: the sampler's
+            per-token log-probs, and no old-policy pass runs (paper Sec. 5.4; `trl_gspo.sampling.old_logps`).
+            Measured safe only with a sampler in the trainer's precision (docs/gspo.md).
     """
 
     loss_type: str = field(

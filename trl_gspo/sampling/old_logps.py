@@ -70,6 +70,16 @@ def processed_logps_differ(args) -> list[str]:
     return options
 
 
+def check_server_logprobs(client) -> None:
+    """Server mode: refuse a server whose log-probs are not the processed (tempered) distribution's, which pi_old
+    must be (`trl vllm-serve` and `trl-gspo vllm-serve` start it with `--logprobs-mode processed_logprobs`)."""
+    mode = client.get_server_info().get("model_config", {}).get("logprobs_mode")
+    if mode != "processed_logprobs":
+        raise ValueError(f"`old_logps`: 'sampler' needs the server's log-probs after temperature and logit processing, "
+                         f"but the server at {client.base_url} runs with logprobs mode {mode!r}. Fix: restart it with "
+                         "`trl-gspo vllm-serve` (or `--logprobs-mode processed_logprobs`), or set old_logps='trainer'.")
+
+
 def gap_warning(values: dict, band: tuple[float, float], dtypes: tuple[str, str], first: bool) -> str | None:
     """The warning for a rollout whose sampler gap alone puts most sequences outside the clip band, or None.
     `values`: `sampling/*` metrics on the sampling weights; `dtypes`: (sampler, trainer) compute dtype names."""
@@ -107,6 +117,8 @@ class SamplerOldLogps:
         (pi_old / pi_sampler = 1) and warns when the sampler's processed log-probs are not the tempered policy's."""
         if getattr(trainer.args, "old_logps", "trainer") != "sampler":
             return None
+        if trainer.use_vllm and trainer.vllm_mode == "server" and trainer.accelerator.is_main_process:
+            check_server_logprobs(trainer.vllm_generation.vllm_client)
         trainer.vllm_importance_sampling_correction = False
         truncating = processed_logps_differ(trainer.args)
         if truncating:
