@@ -3,6 +3,7 @@
 logprobs, routed_experts, finish_reason`, routed_experts `[prompt_len + completion_len - 1, layers, top_k]`, checked
 in vLLM 0.22.0's wheel) whose routes are recorded from the HF model itself."""
 
+import copy
 import importlib.metadata
 from dataclasses import dataclass, field
 from types import SimpleNamespace
@@ -251,13 +252,17 @@ def test_server_routes_follow_trls_process_slice(tokenizer, process_index, monke
     llm, client = _server(tokenizer)
     prompts = [PROMPTS[0], PROMPTS[2]]  # unique prompts, 2 completions each: 4 completions, 2 per process
     expected = routes_from_vllm(llm.generate([{"prompt_token_ids": p} for p in PROMPTS[:1] * 2 + PROMPTS[2:] * 2]))
-    broadcast = []
+    sent = []
 
-    def broadcast_object_list(objects, from_process=0):  # what the main process sends, every rank receives
-        broadcast.append(objects[0] is not None)
-        objects[0] = routes_from_server(main_choices, torch.uint8)
+    def send_object_list(objects, dst):  # the main process sends rank `dst` its slice of the answer
+        sent.append((dst, copy.deepcopy(objects[0])))
 
-    monkeypatch.setattr("accelerate.utils.broadcast_object_list", broadcast_object_list)
+    def recv_object_list(objects, src):  # what rank 1 receives: the main process's choices 2..3, route fields only
+        objects[0] = [{k: c[k] for k in ("prompt_token_ids", "token_ids", "routed_experts")}
+                      for c in copy.deepcopy(main_choices[2:])]
+
+    monkeypatch.setattr("torch.distributed.send_object_list", send_object_list)
+    monkeypatch.setattr("torch.distributed.recv_object_list", recv_object_list)
     main_choices = client.session.post("http://h/v1/completions", json={"prompt": prompts}).json()["choices"]
     main = process_index == 0
     generation = SimpleNamespace(mode="server", **({"vllm_client": client} if main else {}))
@@ -271,7 +276,12 @@ def test_server_routes_follow_trls_process_slice(tokenizer, process_index, monke
                                                                   COMPLETIONS[2], COMPLETIONS[2]]
     lengths = [[3, 3], [5, 5]][process_index]
     kept = take(lengths, torch.uint8)
-    assert broadcast == [main]  # the main process sends its routes; the others receive them
+    if main:  # rank 1 got only its two choices (scatter, not broadcast), and their text left the main process
+        assert [dst for dst, _ in sent] == [1] and [c["token_ids"] for c in sent[0][1]] == [COMPLETIONS[2]] * 2
+        assert all(c["routed_experts"] for c in sent[0][1])
+        assert [c["routed_experts"] for c in answer["choices"]] == [None] * 4  # decoded or sent: dropped
+    else:
+        assert sent == []
     mine = slice(2 * process_index, 2 * process_index + 2)
     for got, want in zip(kept.prompt_routes + kept.completion_routes,
                          expected.prompt_routes[mine] + expected.completion_routes[mine]):
@@ -339,3 +349,24 @@ def test_server_without_routes_names_the_command(tokenizer):
     assert len(choices) == 2
     with pytest.raises(RuntimeError, match="--enable-return-routed-experts.*Fix: start it with `trl-gspo vllm-serve`"):
         routes_from_server(choices)
+
+
+def test_a_prompts_routes_are_kept_once_for_its_completions():
+    """vLLM's n samples of a prompt come from one prefill and carry the same prompt rows: kept once (one tensor), so
+    a server answer of 512 completions does not hold each prompt's routes 8 times. Rows that differ stay separate."""
+    def output(prompt_rows, completion_rows):
+        routes = np.concatenate([prompt_rows, completion_rows]).astype(np.int32)  # vLLM's transit dtype
+        return SimpleNamespace(token_ids=list(range(len(completion_rows) + 1)), routed_experts=routes)
+
+    prompt = np.array([[[0, 1]], [[2, 3]], [[1, 2]]])  # 3 prompt tokens, 1 layer, top-2
+    other = prompt.copy()
+    other[1] = [[3, 0]]
+    request = SimpleNamespace(prompt_token_ids=[5, 6, 7], outputs=[output(prompt, np.array([[[1, 3]]])),
+                                                                   output(prompt, np.array([[[0, 2]], [[2, 1]]])),
+                                                                   output(other, np.array([[[3, 1]]]))])
+    sampled = routes_from_vllm([request])
+    first, second, third = sampled.prompt_routes
+    assert first is second and third is not first
+    assert torch.equal(third, torch.as_tensor(other, dtype=torch.uint8))
+    assert torch.equal(first, torch.as_tensor(prompt, dtype=torch.uint8))
+    assert sampled.completion_routes[1].tolist() == [[[0, 2]], [[2, 1]], [[255, 255]]]  # the last token: no_route

@@ -79,28 +79,39 @@ class SampledRoutes:
 def check_sampled_routes(sampled: SampledRoutes, num_experts: int, top_k: int, source: str) -> None:
     """Refuse sampler routes that no top-k router produces, before they are replayed: a wrong number of experts per
     token, an index outside `0..num_experts-1`, or the same expert twice in one token's top-k (e.g. all-zero routes
-    from a capture that silently failed). `no_route` rows are skipped. Raises `RoutingReplayError` naming the cause."""
-    routes = [r for r in (*sampled.prompt_routes, *sampled.completion_routes) if r.numel()]
-    if not routes:
-        return
-    routes = torch.cat([r.reshape(-1, r.shape[-1]) for r in routes])  # [(token, layer), k]
+    from a capture that silently failed). `no_route` rows are skipped. Raises `RoutingReplayError` naming the cause.
+
+    Checked one sample at a time in the routes' own dtype (a tensor shared by several samples, e.g. a prompt's routes,
+    once): at the flagship's size (0.85 GB of uint8 routes per round) a check over all of them at once in int64,
+    with a sort, grew memory by ~25x (benchmarks/server_routes.py)."""
     where = f"routing_replay='sampler': the routes {source} returned"
-    if routes.shape[-1] != top_k:
-        raise RoutingReplayError(f"{where} hold {routes.shape[-1]} experts per token and layer; the model routes "
-                                 f"each token to {top_k}. Fix: sample with the model being trained, or set "
-                                 "routing_replay='old'.")
-    routes = routes[(routes != no_route(routes.dtype)).any(-1)].long()
-    if bool(((routes < 0) | (routes >= num_experts)).any()):
-        raise RoutingReplayError(f"{where} hold expert indices outside 0..{num_experts - 1} (the model's experts). "
-                                 "Cause: routes from another model, or misread. Fix: sample with the model being "
-                                 "trained, or set routing_replay='old'.")
-    ordered = routes.sort(-1).values
-    repeated = (ordered[:, 1:] == ordered[:, :-1]).any(-1)
-    if bool(repeated.any()):
-        example = routes[repeated.nonzero()[0, 0]].tolist()
+    repeated, slots, example, checked = 0, 0, None, set()
+    for routes in (*sampled.prompt_routes, *sampled.completion_routes):
+        if not routes.numel() or id(routes) in checked:
+            continue
+        checked.add(id(routes))
+        if routes.shape[-1] != top_k:
+            raise RoutingReplayError(f"{where} hold {routes.shape[-1]} experts per token and layer; the model routes "
+                                     f"each token to {top_k}. Fix: sample with the model being trained, or set "
+                                     "routing_replay='old'.")
+        flat = routes.reshape(-1, top_k)
+        real = flat[(flat != no_route(flat.dtype)).any(-1)]
+        if bool(((real >= num_experts) | (real < 0)).any()):
+            raise RoutingReplayError(f"{where} hold expert indices outside 0..{num_experts - 1} (the model's "
+                                     "experts). Cause: routes from another model, or misread. Fix: sample with the "
+                                     "model being trained, or set routing_replay='old'.")
+        twice = torch.zeros(len(real), dtype=torch.bool)
+        for i in range(top_k):  # pairwise, in place: k (k - 1) / 2 comparisons of one column each
+            for j in range(i + 1, top_k):
+                twice |= real[:, i] == real[:, j]
+        count = int(twice.sum())
+        if count and example is None:
+            example = real[twice.nonzero()[0, 0]].tolist()
+        repeated, slots = repeated + count, slots + len(real)
+    if repeated:
         raise RoutingReplayError(
-            f"{where} name the same expert twice within one token's top-{top_k} in {int(repeated.sum())} of "
-            f"{len(routes)} (token, layer) slots, e.g. {example}; no top-k router does that. Cause: the sampler's "
+            f"{where} name the same expert twice within one token's top-{top_k} in {repeated} of "
+            f"{slots} (token, layer) slots, e.g. {example}; no top-k router does that. Cause: the sampler's "
             "route capture returned placeholders (all-zero routes: a capture that was compiled away or never "
             "bound), or misaligned data. Fix: use a vLLM build whose MoE kernel supports routed-experts capture "
             "(docs/sampling.md), or set routing_replay='old'.")

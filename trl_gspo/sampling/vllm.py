@@ -175,13 +175,20 @@ def routes_from_vllm(request_outputs, index_dtype: torch.dtype = torch.uint8, *,
     """Split vLLM's `routed_experts` per completion, in TRL's order (each request's completions in turn), into
     prompt routes `[prompt_len, L, K]` and completion routes `[completion_len, L, K]` whose last row (the token
     never fed forward) is the `no_route` sentinel. Refuses any length that does not match (a misaligned route would
-    be replayed on the wrong token)."""
+    be replayed on the wrong token).
+
+    Memory: each completion's routes are copied once, into their own `[completion_len, L, K]` tensor; the prompt's
+    rows are kept once per prompt when its completions carry the same ones (one prefill: vLLM's `n` samples of a
+    prompt), so a prompt's routes are not held `n` times. `routed_experts` may be a zero-argument callable that
+    returns the array (decoded only when its turn comes, then dropped)."""
     prompt_routes, completion_routes = [], []
     sentinel = no_route(index_dtype)
+    previous_prompt = None  # (token ids, routes) of the last prompt kept: its next completions usually share them
     for request in request_outputs:
         prompt_len = len(request.prompt_token_ids)
         for completion in request.outputs:
             routes, completion_len = completion.routed_experts, len(completion.token_ids)
+            routes = routes() if callable(routes) else routes
             if routes is None and server:
                 raise RuntimeError("routing_replay='sampler': the vLLM server returned a completion without "
                                    "`routed_experts`. Cause: it was started without "
@@ -208,10 +215,17 @@ def routes_from_vllm(request_outputs, index_dtype: torch.dtype = torch.uint8, *,
             if bool((routes < 0).any()) or int(routes.max()) >= sentinel:
                 raise RuntimeError(f"routing_replay='sampler': vLLM's expert indices fall outside 0..{sentinel - 1}, "
                                    f"which {index_dtype} stores. Fix: report the model; set routing_replay='old'.")
-            routes = routes.to(index_dtype)
-            prompt_routes.append(routes[:prompt_len].clone())
-            last = torch.full((1, *routes.shape[1:]), sentinel, dtype=index_dtype)
-            completion_routes.append(torch.cat([routes[prompt_len:], last]))
+            prompt = routes[:prompt_len]
+            if (previous_prompt is not None and previous_prompt[0] == request.prompt_token_ids
+                    and torch.equal(previous_prompt[1], prompt.to(index_dtype))):
+                prompt_routes.append(previous_prompt[1])
+            else:
+                prompt_routes.append(prompt.to(index_dtype, copy=True))
+                previous_prompt = (request.prompt_token_ids, prompt_routes[-1])
+            kept = torch.empty((completion_len, *routes.shape[1:]), dtype=index_dtype)
+            kept[:-1] = routes[prompt_len:]
+            kept[-1] = sentinel
+            completion_routes.append(kept)
     return SampledRoutes(prompt_routes, completion_routes, sampler_logps=[])
 
 
@@ -266,11 +280,42 @@ def decode_server_routes(encoded: str | None):
 
 def routes_from_server(choices: list[dict], index_dtype: torch.dtype = torch.uint8) -> SampledRoutes:
     """`routes_from_vllm` for the choices of vLLM's `/v1/completions` answers (prompt-major, TRL's order), each with
-    `prompt_token_ids`, `token_ids` and `routed_experts`."""
+    `prompt_token_ids`, `token_ids` and `routed_experts`. Each choice's base64 text is decoded when its turn comes and
+    taken out of the choice (`routed_experts` set to None), so the text and the decoded routes of the whole answer
+    are never held together."""
+    def decoder(choice):
+        def decode():
+            encoded, choice["routed_experts"] = choice.get("routed_experts"), None
+            return decode_server_routes(encoded)
+        return decode
+
     requests = [SimpleNamespace(prompt_token_ids=choice["prompt_token_ids"], outputs=[SimpleNamespace(
-        token_ids=choice["token_ids"], routed_experts=decode_server_routes(choice.get("routed_experts")))])
+        token_ids=choice["token_ids"], routed_experts=decoder(choice) if choice.get("routed_experts") else None)])
         for choice in choices]
     return routes_from_vllm(requests, index_dtype, server=True)
+
+
+_ROUTE_FIELDS = ("prompt_token_ids", "token_ids", "routed_experts")
+
+
+def hand_out_choices(choices: list[dict], count: int, accelerator) -> list[dict]:
+    """Server mode, several processes: give each rank the choices of its TRL slice (`rank * count` onwards, TRL's
+    `process_slice`), collectively. The main process sends each other rank only its choices' token ids and base64
+    routes (point to point, one rank at a time, each text dropped once sent); every rank decodes its own."""
+    import torch.distributed as dist
+
+    if not accelerator.is_main_process:
+        received = [None]
+        dist.recv_object_list(received, src=0)
+        return received[0]
+    for rank in range(1, accelerator.num_processes):
+        part = [{field: choice.get(field) for field in _ROUTE_FIELDS}
+                for choice in choices[rank * count:(rank + 1) * count]]
+        dist.send_object_list([part], dst=rank)
+        for choice in choices[rank * count:(rank + 1) * count]:
+            choice["routed_experts"] = None
+        del part
+    return choices[:count]
 
 
 def check_server_returns_routes(client) -> None:
@@ -312,13 +357,9 @@ def capture_routes(vllm_generation, accelerator):
         client = getattr(vllm_generation, "vllm_client", None)  # the main process's only
         with capture_server_choices(client) if client is not None else contextlib.nullcontext([]) as choices:
             def take_server(completion_lengths, index_dtype):
-                from accelerate.utils import broadcast_object_list
-
-                everything = [routes_from_server(choices, index_dtype) if accelerator.is_main_process else None]
-                if accelerator.num_processes > 1:
-                    broadcast_object_list(everything, from_process=0)
-                start = accelerator.process_index * len(completion_lengths)
-                return slice_routes(everything[0], start, completion_lengths)
+                mine = choices if accelerator.num_processes == 1 else hand_out_choices(
+                    choices, len(completion_lengths), accelerator)
+                return slice_routes(routes_from_server(mine, index_dtype), 0, completion_lengths)
 
             yield take_server
         return
