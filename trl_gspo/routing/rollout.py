@@ -76,42 +76,56 @@ class SampledRoutes:
     sampler_logps: list[torch.Tensor]
 
 
+_CHECK_ROWS = 1 << 22  # (token, layer) rows checked together: bounds the check's memory to a few times k x this
+
+
 def check_sampled_routes(sampled: SampledRoutes, num_experts: int, top_k: int, source: str) -> None:
     """Refuse sampler routes that no top-k router produces, before they are replayed: a wrong number of experts per
     token, an index outside `0..num_experts-1`, or the same expert twice in one token's top-k (e.g. all-zero routes
     from a capture that silently failed). `no_route` rows are skipped. Raises `RoutingReplayError` naming the cause.
 
-    Checked one sample at a time in the routes' own dtype (a tensor shared by several samples, e.g. a prompt's routes,
-    once): at the flagship's size (0.85 GB of uint8 routes per round) a check over all of them at once in int64,
-    with a sort, grew memory by ~25x (benchmarks/server_routes.py)."""
+    Checked in the routes' own dtype, `_CHECK_ROWS` rows at a time (a tensor shared by several samples, e.g. a
+    prompt's routes, once): at the flagship's size (0.85 GB of uint8 routes per round) one check over everything in
+    int64 with a sort grew memory ~25x (benchmarks/server_routes.py)."""
     where = f"routing_replay='sampler': the routes {source} returned"
-    repeated, slots, example, checked = 0, 0, None, set()
+    counts, example = [0, 0], []  # repeated slots, real slots; one repeated route
+
+    def check(rows: list[torch.Tensor]) -> None:
+        columns = torch.cat(rows).T.contiguous()  # [k, rows]: each comparison below reads two contiguous vectors
+        if bool(((columns >= num_experts) | (columns < 0)).any()):
+            raise RoutingReplayError(f"{where} hold expert indices outside 0..{num_experts - 1} (the model's "
+                                     "experts). Cause: routes from another model, or misread. Fix: sample with the "
+                                     "model being trained, or set routing_replay='old'.")
+        twice = torch.zeros(columns.shape[1], dtype=torch.bool)
+        for i in range(top_k):
+            for j in range(i + 1, top_k):
+                twice |= columns[i] == columns[j]
+        repeated = int(twice.sum())
+        if repeated and not example:
+            example.append(columns[:, twice.nonzero()[0, 0]].tolist())
+        counts[0], counts[1] = counts[0] + repeated, counts[1] + columns.shape[1]
+
+    pending, size, seen = [], 0, set()
     for routes in (*sampled.prompt_routes, *sampled.completion_routes):
-        if not routes.numel() or id(routes) in checked:
+        if not routes.numel() or id(routes) in seen:
             continue
-        checked.add(id(routes))
+        seen.add(id(routes))
         if routes.shape[-1] != top_k:
             raise RoutingReplayError(f"{where} hold {routes.shape[-1]} experts per token and layer; the model routes "
                                      f"each token to {top_k}. Fix: sample with the model being trained, or set "
                                      "routing_replay='old'.")
         flat = routes.reshape(-1, top_k)
-        real = flat[(flat != no_route(flat.dtype)).any(-1)]
-        if bool(((real >= num_experts) | (real < 0)).any()):
-            raise RoutingReplayError(f"{where} hold expert indices outside 0..{num_experts - 1} (the model's "
-                                     "experts). Cause: routes from another model, or misread. Fix: sample with the "
-                                     "model being trained, or set routing_replay='old'.")
-        twice = torch.zeros(len(real), dtype=torch.bool)
-        for i in range(top_k):  # pairwise, in place: k (k - 1) / 2 comparisons of one column each
-            for j in range(i + 1, top_k):
-                twice |= real[:, i] == real[:, j]
-        count = int(twice.sum())
-        if count and example is None:
-            example = real[twice.nonzero()[0, 0]].tolist()
-        repeated, slots = repeated + count, slots + len(real)
-    if repeated:
+        pending.append(flat[(flat != no_route(flat.dtype)).any(-1)])
+        size += len(pending[-1])
+        if size >= _CHECK_ROWS:
+            check(pending)
+            pending, size = [], 0
+    if pending:
+        check(pending)
+    if counts[0]:
         raise RoutingReplayError(
-            f"{where} name the same expert twice within one token's top-{top_k} in {repeated} of "
-            f"{slots} (token, layer) slots, e.g. {example}; no top-k router does that. Cause: the sampler's "
+            f"{where} name the same expert twice within one token's top-{top_k} in {counts[0]} of "
+            f"{counts[1]} (token, layer) slots, e.g. {example[0]}; no top-k router does that. Cause: the sampler's "
             "route capture returned placeholders (all-zero routes: a capture that was compiled away or never "
             "bound), or misaligned data. Fix: use a vLLM build whose MoE kernel supports routed-experts capture "
             "(docs/sampling.md), or set routing_replay='old'.")
