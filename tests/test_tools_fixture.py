@@ -6,7 +6,6 @@ The cold-started model comes from the session fixture `tool_model_dir` (tests/co
 import os
 
 import pytest
-import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 from trl.chat_template_utils import is_chat_template_prefix_preserving, parse_response, supports_tool_calling
 

@@ -53,10 +53,12 @@ def _build_model_dir(path):
     return build_model_dir(Path(path))
 
 
-def _run(out_dir, launch=(), expect_failure=False, bind=None, model_dir=None, **options):
-    """Train in a subprocess; `bind`: vLLM's CPU worker thread binding (TP), `model_dir`: the model to load."""
+def _run(out_dir, launch=(), expect_failure=False, bind=None, model_dir=None, env=None, **options):
+    """Train in a subprocess; `bind`: vLLM's CPU worker thread binding (TP), `model_dir`: the model to load, `env`:
+    extra environment variables."""
     command = [*(launch or [sys.executable]), str(SCRIPT), str(out_dir), json.dumps(options)]
     extra = {"VLLM_CPU_OMP_THREADS_BIND": bind} if bind else {}
+    extra.update(env or {})
     # Built here, before any rank starts, so ranks only read it.
     extra["TRL_GSPO_VLLM_MODEL_DIR"] = str(_build_model_dir(model_dir or out_dir / "model"))
     result = subprocess.run(command, capture_output=True, text=True, timeout=900,
@@ -257,9 +259,10 @@ def test_tensor_parallel_2_under_zero3_syncs_every_round(tmp_path):
 
 
 @contextlib.contextmanager
-def _serving(root, model_dir, max_model_len=128):
+def _serving(root, model_dir, max_model_len=128, started=None):
     """A real vLLM server, `trl-gspo vllm-serve --model MODEL_DIR` on loopback, until the block ends; yields its URL.
-    Its processes load tests/vllm_cpu_engine.py as a vLLM plugin (route capture in the CPU MoE kernel)."""
+    Its processes load tests/vllm_cpu_engine.py as a vLLM plugin (route capture in the CPU MoE kernel). `started`: a
+    list that receives the server's process (its process group: the server and its engine)."""
     import vllm_cpu_engine
 
     port = _free_port()
@@ -271,6 +274,8 @@ def _serving(root, model_dir, max_model_len=128):
             stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
             env=cpu_env(VLLM_CPU_KVCACHE_SPACE="1", TOKENIZERS_PARALLELISM="false",
                         PYTHONPATH=vllm_cpu_engine.write_plugin(root / "plugin")))
+        if started is not None:
+            started.append(server)
         url = f"http://127.0.0.1:{port}"
         try:
             deadline = time.monotonic() + 600
@@ -284,7 +289,8 @@ def _serving(root, model_dir, max_model_len=128):
                     time.sleep(2)
             yield url
         finally:
-            os.killpg(server.pid, signal.SIGTERM)
+            with contextlib.suppress(ProcessLookupError):  # a test may have killed it
+                os.killpg(server.pid, signal.SIGTERM)
             server.wait(timeout=60)
 
 
@@ -337,6 +343,93 @@ def test_server_mode_trains_on_the_servers_logps(vllm_server, tmp_path):
                   learning_rate=0.0, routing_replay_min_agreement=0.0, max_steps=4)
     assert len(_steps(result)) == 4 and result["checks"]["scoring_forwards"] == 0 and result["skipped_passes"] == 1
     assert any(w.startswith("SAMPLER LIKELIHOODS OUTSIDE THE CLIP BAND") for w in result["warnings"])
+
+
+def _assert_flat(memory):
+    """Memory per round of a long run: after a warm-up of 10 rounds, the last 10 rounds hold what rounds 11-20 held
+    (tensors alive: equal count up to the rounds' varying shapes, bytes within 1 MB; RSS within 30 MB)."""
+    def mean(key, rounds):
+        return sum(r[key] for r in rounds) / len(rounds)
+
+    early, late = memory[10:20], memory[-10:]
+    assert abs(mean("tensors", late) - mean("tensors", early)) <= 2
+    assert abs(mean("tensor_mb", late) - mean("tensor_mb", early)) < 1.0
+    assert mean("rss_mb", late) - mean("rss_mb", early) < 30, [round(r["rss_mb"]) for r in memory]
+
+
+@pytest.mark.parametrize("mode", ["colocate", "server"])
+def test_r3_memory_is_flat_over_60_rounds(mode, vllm_server, tmp_path):
+    """A long run holds flat: R3 (routes recorded, laid out and replayed every round) over 60 generation rounds, RSS
+    and the tensors alive in the trainer's process measured after each round."""
+    url, trainer_dir = vllm_server
+    server = dict(server=url, model_dir=trainer_dir, learning_rate=0.0, routing_replay_min_agreement=0.0) if (
+        mode == "server") else {}
+    result = _run(tmp_path, routing_replay="sampler", memory_probe=True, steps_per_generation=1, max_steps=60,
+                  **server)
+    memory = result["memory"]
+    assert len(memory) == 60
+    print(f"{mode}: RSS {memory[10]['rss_mb']:.0f} -> {memory[-1]['rss_mb']:.0f} MB, tensors "
+          f"{memory[10]['tensors']} -> {memory[-1]['tensors']} ({memory[10]['tensor_mb']:.2f} -> "
+          f"{memory[-1]['tensor_mb']:.2f} MB)")  # shown by pytest -rP
+    _assert_flat(memory)
+
+
+@pytest.fixture(scope="module")
+def plain_vllm_server(tmp_path_factory):
+    """A real vLLM server serving exactly the trainer's starting model. Yields (url, model dir)."""
+    root = tmp_path_factory.mktemp("plain_server")
+    model_dir = _build_model_dir(root / "model")
+    with _serving(root, model_dir) as url:
+        yield url, model_dir
+
+
+def test_a_server_killed_mid_run_stops_training_with_one_error_and_the_run_resumes(plain_vllm_server, tmp_path):
+    """The server dies between two rounds (SIGKILL to its process group): the trainer stops at its next request with
+    one error naming the server, the newest complete checkpoint and the resume; that checkpoint is complete, and the
+    run resumes from it against a server started again (here: another server of the same model)."""
+    from trl_gspo.checkpoints import checkpoint_problem
+
+    url, model_dir = plain_vllm_server
+    run_dir, servers = tmp_path / "run", []
+    options = dict(model_dir=model_dir, routing_replay="sampler", learning_rate=0.0, max_steps=12,
+                   save_strategy="steps", save_steps=4)
+    with _serving(tmp_path / "dying", model_dir, started=servers) as dying_url:
+        started = time.monotonic()
+        output = _run(run_dir, server=dying_url, expect_failure=True, kill_server_at_round=2,
+                      env={"TRL_GSPO_TEST_SERVER_PGID": str(servers[0].pid)}, **options)
+        seconds = time.monotonic() - started
+    assert f"SamplerServerError: the vLLM server at {dying_url} stopped answering during generation" in output
+    assert f"The newest complete checkpoint is {run_dir / 'checkpoint-8'}" in output
+    assert "resume_from_checkpoint='latest'" in output and seconds < 600
+    assert checkpoint_problem(str(run_dir / "checkpoint-8")) is None
+    resumed = _run(run_dir, server=url, resume=True, **options)
+    assert [h["step"] for h in _steps(resumed)] == list(range(1, 13))  # steps 1-8 restored, 9-12 trained
+
+
+def test_a_server_that_no_longer_holds_the_trained_weights_is_announced(plain_vllm_server, tmp_path):
+    """What a restarted server is: TRL 1.16's weight sync to a server is NCCL-only (stubbed on CPU), and a restarted
+    server serves the checkpoint it loaded, not the trained weights. With the sync stubbed and a large learning rate
+    the trainer moves away from the server's weights; the drift check says so instead of training on it silently."""
+    url, model_dir = plain_vllm_server
+    result = _run(tmp_path, model_dir=model_dir, server=url, learning_rate=0.2, max_steps=16,
+                  routing_replay_min_agreement=0.0)
+    gaps = [h["sampling/abs_log_ratio_mean"] for h in _rounds(result)]
+    print(f"stale server: mean |log ratio| per round {gaps}")  # shown by pytest -rP
+    assert gaps[0] < 0.05 and _drift_warnings(result)
+
+
+def test_a_server_of_another_model_or_tokenizer_is_refused_at_construction(plain_vllm_server, tool_model_dir,
+                                                                          tmp_path):
+    """The server serves the 2-layer test model: a trainer of a 3-layer model (R3: the probe's routes show the
+    layout), or one with another tokenizer (vLLM's /tokenize on a probe text), is refused before any training."""
+    from vllm_run import build_model_dir
+
+    url, _ = plain_vllm_server
+    deeper = build_model_dir(tmp_path / "deeper", num_hidden_layers=3)
+    output = _run(tmp_path / "layers", model_dir=deeper, server=url, routing_replay="sampler", expect_failure=True)
+    assert f"the vLLM server at {url} routes each token through 2 MoE layers x top-2 experts, but the model" in output
+    output = _run(tmp_path / "tokenizer", model_dir=tool_model_dir, server=url, expect_failure=True)
+    assert f"the vLLM server at {url} tokenizes a probe text" in output and "another tokenizer" in output
 
 
 def test_trl_gspo_vllm_serve_serves_a_dense_model_without_routes(tmp_path):

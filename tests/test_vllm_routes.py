@@ -4,7 +4,6 @@ logprobs, routed_experts, finish_reason`, routed_experts `[prompt_len + completi
 in vLLM 0.22.0's wheel) whose routes are recorded from the HF model itself."""
 
 import copy
-import importlib.metadata
 from dataclasses import dataclass, field
 from types import SimpleNamespace
 
@@ -370,3 +369,57 @@ def test_a_prompts_routes_are_kept_once_for_its_completions():
     assert torch.equal(third, torch.as_tensor(other, dtype=torch.uint8))
     assert torch.equal(first, torch.as_tensor(prompt, dtype=torch.uint8))
     assert sampled.completion_routes[1].tolist() == [[[0, 2]], [[2, 1]], [[255, 255]]]  # the last token: no_route
+
+
+def test_a_server_of_another_moe_layout_is_refused(tokenizer):
+    """The probe's routes carry the served model's MoE layers x top_k: another model's are refused at construction."""
+    from trl_gspo.sampling.vllm import check_server_returns_routes, moe_layout
+
+    llm, client = _server(tokenizer)
+    client.base_url, client.model = "http://h", "m"
+    layout = moe_layout(llm.model)
+    assert layout == (2, 2)  # the tiny Qwen3-MoE: 2 MoE layers, top-2
+    check_server_returns_routes(client, layout)
+    with pytest.raises(ValueError, match=r"routes each token through 2 MoE layers x top-2 experts, but the model "
+                                         r"being trained has 3 MoE layers x top-2") as error:
+        check_server_returns_routes(client, (3, 2))
+    assert "trl-gspo vllm-serve --model" in str(error.value)
+
+
+class _TokenizingSession:
+    def __init__(self, tokenizer, status=200):
+        self.tokenizer, self.status, self.posts = tokenizer, status, []
+
+    def post(self, url, json=None, **kwargs):
+        self.posts.append((url, json))
+        tokens = self.tokenizer(json["prompt"], add_special_tokens=json["add_special_tokens"])["input_ids"]
+        return SimpleNamespace(status_code=self.status, json=lambda: {"tokens": tokens, "count": len(tokens)})
+
+
+def test_a_server_with_another_tokenizer_is_refused(tokenizer):
+    """vLLM's /tokenize on a probe text against the trainer's tokenizer: equal passes, another tokenizer is refused,
+    and a server without /tokenize is let through with a warning."""
+    from trl_gspo.quickstart.tools import build_tool_tokenizer
+    from trl_gspo.sampling.vllm import check_server_tokenizer
+
+    client = SimpleNamespace(base_url="http://h", model="m", session=_TokenizingSession(tokenizer))
+    check_server_tokenizer(client, tokenizer)
+    assert client.session.posts[0][0] == "http://h/tokenize"
+    client.session = _TokenizingSession(build_tool_tokenizer())
+    with pytest.raises(ValueError, match="the server uses another tokenizer") as error:
+        check_server_tokenizer(client, tokenizer)
+    assert "http://h" in str(error.value) and "processing_class" in str(error.value)
+    client.session = _TokenizingSession(tokenizer, status=404)
+    import logging
+
+    from transformers.utils import logging as hf_logging
+
+    messages = []
+    handler = logging.Handler()
+    handler.emit = lambda record: messages.append(record.getMessage())
+    hf_logging.get_logger("trl_gspo").addHandler(handler)
+    try:
+        check_server_tokenizer(client, tokenizer)
+    finally:
+        hf_logging.get_logger("trl_gspo").removeHandler(handler)
+    assert any("could not check that it uses the trainer's tokenizer" in m for m in messages)

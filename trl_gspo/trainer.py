@@ -27,7 +27,8 @@ from .losses import (
 from .model_checks import check_model
 from .sampling.metrics import SamplerWatch, log_turns, sampling_metrics
 from .sampling.old_logps import SamplerOldLogps
-from .sampling.vllm import capture_routes, check_sampler_at_start, engine_options, trainer_engine_options
+from .sampling.vllm import (capture_routes, check_sampler_at_start, engine_options, server_failures,
+                            trainer_engine_options)
 from .trainer_checkpoints import CheckpointMixin
 from .trainer_routing import TrainerRouting, _first_adapter_layer, _reference_pass
 from .trl_options import apply_trl_options
@@ -114,15 +115,19 @@ class GSPOTrainer(CheckpointMixin, GRPOTrainer):
             self._sampler_watch.check(values)
 
     def _generate_single_turn(self, *args, **kwargs):
-        if self._routing is None:
-            return super()._generate_single_turn(*args, **kwargs)
-        target = (lambda: capture_routes(self.vllm_generation, self.accelerator)) if self.use_vllm else (
-            lambda: self.accelerator.unwrap_model(self.model_wrapped))
-        with self._routing.sampling(target, vllm=self.use_vllm) as finish:
-            completion_ids, logprobs = super()._generate_single_turn(*args, **kwargs)
-            if finish is not None:  # R3: this call's sampler routes, and the sampler's log-probs for TRL
-                logprobs = finish(args[0] if args else kwargs["prompt_ids"], completion_ids, logprobs)
-        return completion_ids, logprobs
+        server = self.use_vllm and self.vllm_mode == "server" and self.accelerator.is_main_process
+        # a server that dies mid-run: one error naming it, the last checkpoint and how to resume (docs/reliability.md)
+        with server_failures(self.vllm_generation.vllm_client.base_url, self.args.output_dir) if server else (
+                contextlib.nullcontext()):
+            if self._routing is None:
+                return super()._generate_single_turn(*args, **kwargs)
+            target = (lambda: capture_routes(self.vllm_generation, self.accelerator)) if self.use_vllm else (
+                lambda: self.accelerator.unwrap_model(self.model_wrapped))
+            with self._routing.sampling(target, vllm=self.use_vllm) as finish:
+                completion_ids, logprobs = super()._generate_single_turn(*args, **kwargs)
+                if finish is not None:  # R3: this call's sampler routes, and the sampler's log-probs for TRL
+                    logprobs = finish(args[0] if args else kwargs["prompt_ids"], completion_ids, logprobs)
+            return completion_ids, logprobs
 
     def _generate(self, prompts):
         output = super()._generate(prompts)  # (prompt_ids, completion_ids, tool_mask, ..., extra_fields, ...)

@@ -149,9 +149,48 @@ def check_sampler_at_start(trainer, base_model) -> tuple[str, str]:
         if trainer.accelerator.is_main_process:
             warn_on_dtype_gap(sampler_dtype, trainer_dtype)
         return ("unknown" if sampler_dtype is None else _dtype_name(sampler_dtype)), trainer_name
-    if getattr(args, "routing_replay", "none") == "sampler" and trainer.accelerator.is_main_process:
-        check_server_returns_routes(trainer.vllm_generation.vllm_client)
+    if trainer.accelerator.is_main_process:  # refused here, before any training compute
+        client = trainer.vllm_generation.vllm_client
+        processing = trainer.processing_class
+        check_server_tokenizer(client, getattr(processing, "tokenizer", processing))
+        if getattr(args, "routing_replay", "none") == "sampler":
+            check_server_returns_routes(client, moe_layout(base_model))
     return "server's (unknown)", trainer_name
+
+
+def moe_layout(model) -> tuple[int, int] | None:
+    """(MoE layers, experts per token) of `model`, or None when its routers cannot be read."""
+    from ..routing import find_routers
+
+    top_k = getattr(model.config.get_text_config(), "num_experts_per_tok", None)
+    routers = find_routers(model)
+    return (len(routers), int(top_k)) if routers and top_k else None
+
+
+class SamplerServerError(RuntimeError):
+    """The vLLM server stopped answering in the middle of a run; the message names the server and how to resume."""
+
+
+@contextlib.contextmanager
+def server_failures(base_url: str, output_dir: str):
+    """Around a server-mode generation call (TRL's weight sync and generate): a server that died or restarted and
+    refuses the connection, or drops it mid-answer, becomes one `SamplerServerError` naming the server, the newest
+    complete checkpoint and how to resume, instead of a connection traceback from inside TRL's client."""
+    import requests
+
+    try:
+        yield
+    except (requests.exceptions.ConnectionError, requests.exceptions.ChunkedEncodingError) as err:
+        from ..checkpoints import latest_complete_checkpoint
+
+        checkpoint = latest_complete_checkpoint(output_dir)[0]
+        saved = (f"The newest complete checkpoint is {checkpoint}." if checkpoint else
+                 f"No complete checkpoint was saved in {output_dir} yet (set save_steps).")
+        raise SamplerServerError(
+            f"the vLLM server at {base_url} stopped answering during generation ({type(err).__name__}); training "
+            f"stopped here. {saved} Fix: start the server again with the same command (`trl-gspo vllm-serve ...`) "
+            "and resume with resume_from_checkpoint='latest' (YAML: `resume_from_checkpoint: latest`); the run "
+            "continues from that checkpoint exactly (docs/reliability.md).") from err
 
 
 @contextlib.contextmanager
@@ -318,13 +357,46 @@ def hand_out_choices(choices: list[dict], count: int, accelerator) -> list[dict]
     return choices[:count]
 
 
-def check_server_returns_routes(client) -> None:
+def check_server_returns_routes(client, layout: tuple[int, int] | None = None) -> None:
     """Server mode with R3, at construction: ask the server for one token and refuse now, before any training
-    compute, if its answer carries no routes (a server started with plain `trl vllm-serve`) or malformed ones."""
+    compute, if its answer carries no routes (a server started with plain `trl vllm-serve`) or malformed ones, or,
+    given the trained model's `layout` (MoE layers, top_k), routes of another layout (a server of another model)."""
     response = client.session.post(f"{client.base_url}/v1/completions", json={
         "model": client.model, "prompt": [[0]], "max_tokens": 1, "return_token_ids": True})
     response.raise_for_status()
-    routes_from_server(response.json()["choices"])  # raises naming the cause and the command
+    sampled = routes_from_server(response.json()["choices"])  # raises naming the cause and the command
+    served = tuple(sampled.prompt_routes[0].shape[1:])
+    if layout is not None and served != tuple(layout):
+        raise ValueError(
+            f"`vllm_server_base_url`: the vLLM server at {client.base_url} routes each token through {served[0]} MoE "
+            f"layers x top-{served[1]} experts, but the model being trained has {layout[0]} MoE layers x "
+            f"top-{layout[1]}: it serves another model, whose routes and log-probs are not this policy's. Fix: "
+            "start the server with the model you train (`trl-gspo vllm-serve --model <the same path or hub id>`).")
+
+
+# Tokenized by the server and by the trainer's tokenizer: letters, digits, spaces and punctuation.
+TOKENIZER_PROBE = "GSPO probe: 12 + 345 = 357. The quick brown fox jumps over the lazy dog!"
+
+
+def check_server_tokenizer(client, tokenizer) -> None:
+    """Server mode, at construction: refuse a server whose tokenizer is not the trainer's (vLLM's `/tokenize` on a
+    probe text against `tokenizer` here): its token ids would mean other text to the trained model. Warns (does not
+    refuse) when the server offers no `/tokenize`."""
+    response = client.session.post(f"{client.base_url}/tokenize", json={
+        "model": client.model, "prompt": TOKENIZER_PROBE, "add_special_tokens": False})
+    if response.status_code != 200:
+        logger.warning(f"the vLLM server at {client.base_url} did not tokenize a probe text (HTTP "
+                       f"{response.status_code}), so GSPOTrainer could not check that it uses the trainer's tokenizer.")
+        return
+    served = response.json().get("tokens")
+    local = tokenizer(TOKENIZER_PROBE, add_special_tokens=False)["input_ids"]
+    if served != local:
+        raise ValueError(
+            f"`vllm_server_base_url`: the vLLM server at {client.base_url} tokenizes a probe text into {served[:8]}... "
+            f"({len(served)} tokens) but the trainer's tokenizer gives {local[:8]}... ({len(local)} tokens): the server "
+            "uses another tokenizer, so the token ids it samples would mean other text to the trained model. Fix: "
+            "serve the same model and tokenizer as the trainer (`trl-gspo vllm-serve --model <the trained model>`, "
+            "`--tokenizer` if you trained with another), or pass the server's tokenizer as `processing_class`.")
 
 
 @contextlib.contextmanager
