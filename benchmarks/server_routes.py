@@ -9,8 +9,9 @@ A synthetic answer shaped like vLLM's is built once (real `/v1/completions` layo
 `logprobs` as TRL asks for them, `routed_experts`), and each measured round runs in fresh processes (1 or 2, gloo on
 CPU) through TRL's own client (`VLLMClient.generate` on a session that returns the answer) and TRL's broadcast and
 slice of the payload, with trl-gspo's `capture_routes` around it exactly as `GSPOTrainer` calls it. Printed per
-size and process count: wall time of the round and each rank's peak RSS growth during it, with routes and without
-(the same answer without `routed_experts`: TRL's own cost), and their ratios.
+size and process count: wall time of the round and each rank's peak RSS (the whole process: imports, the answer's
+bytes on the main process, the round), with routes and without (the same answer without `routed_experts`: TRL's own
+cost), and the time ratio.
 
     python benchmarks/server_routes.py                 # small (64 x 1k tokens) and flagship (512 x 4.3k, 48 x 8)
     python benchmarks/server_routes.py --sizes small   # seconds
@@ -73,14 +74,6 @@ def write_answer(path: Path, size: str, routes: bool) -> None:
                      .encode())
 
 
-def _rss_mb() -> float:
-    with open("/proc/self/status") as status:
-        for line in status:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) / 1024
-    return float("nan")
-
-
 def _peak_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
@@ -119,7 +112,7 @@ def one_round(rank: int, world: int, port: int, answer: str, size: str, routes: 
     generation = SimpleNamespace(mode="server", vllm_client=client)
     per_rank = prompts * generations // world
     state.wait_for_everyone()
-    rss, start = _rss_mb(), time.perf_counter()
+    start = time.perf_counter()
     with capture_routes(generation, state) if routes else _nothing() as take:
         # TRL's server path (VLLMGeneration.generate): the main process asks, everyone gets the payload, keeps a slice
         payload = None
@@ -135,7 +128,7 @@ def one_round(rank: int, world: int, port: int, answer: str, size: str, routes: 
             check_sampled_routes(sampled, experts, top_k, "vLLM server")
     seconds = time.perf_counter() - start
     state.wait_for_everyone()
-    queue.put((rank, seconds, _peak_mb() - rss))
+    queue.put((rank, seconds, _peak_mb()))
     queue.close()
     queue.join_thread()  # the result is in the pipe before the hard exit below
     sys.stdout.flush()
@@ -192,7 +185,7 @@ def main():
         print(f"\n{size}: {prompts * generations} completions of {prompt_len} + {completion_len} tokens, {layers} x "
               f"top-{top_k}: routes {raw / 1e9:.2f} GB; answer {answers[True].stat().st_size / 1e9:.2f} GB with "
               f"routes, {answers[False].stat().st_size / 1e9:.2f} GB without")
-        print(f"{'processes':>9} {'s without':>10} {'s with':>8} {'ratio':>6}   peak RSS growth MB per rank "
+        print(f"{'processes':>9} {'s without':>10} {'s with':>8} {'ratio':>6}   peak RSS MB per rank "
               "(without | with)")
         for world in map(int, options.processes.split(",")):
             plain_s, plain_mb = measure(answers[False], size, False, world)

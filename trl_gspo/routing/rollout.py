@@ -92,7 +92,10 @@ def check_sampled_routes(sampled: SampledRoutes, num_experts: int, top_k: int, s
 
     def check(rows: list[torch.Tensor]) -> None:
         columns = torch.cat(rows).T.contiguous()  # [k, rows]: each comparison below reads two contiguous vectors
-        if bool(((columns >= num_experts) | (columns < 0)).any()):
+        real = (columns != no_route(columns.dtype)).any(0)  # no_route rows (all k slots) are skipped
+        outside = (columns >= num_experts).any(0) if columns.dtype == torch.uint8 else (
+            (columns >= num_experts) | (columns < 0)).any(0)
+        if bool((outside & real).any()):
             raise RoutingReplayError(f"{where} hold expert indices outside 0..{num_experts - 1} (the model's "
                                      "experts). Cause: routes from another model, or misread. Fix: sample with the "
                                      "model being trained, or set routing_replay='old'.")
@@ -100,10 +103,11 @@ def check_sampled_routes(sampled: SampledRoutes, num_experts: int, top_k: int, s
         for i in range(top_k):
             for j in range(i + 1, top_k):
                 twice |= columns[i] == columns[j]
+        twice &= real
         repeated = int(twice.sum())
         if repeated and not example:
             example.append(columns[:, twice.nonzero()[0, 0]].tolist())
-        counts[0], counts[1] = counts[0] + repeated, counts[1] + columns.shape[1]
+        counts[0], counts[1] = counts[0] + repeated, counts[1] + int(real.sum())
 
     pending, size, seen = [], 0, set()
     for routes in (*sampled.prompt_routes, *sampled.completion_routes):
@@ -114,8 +118,7 @@ def check_sampled_routes(sampled: SampledRoutes, num_experts: int, top_k: int, s
             raise RoutingReplayError(f"{where} hold {routes.shape[-1]} experts per token and layer; the model routes "
                                      f"each token to {top_k}. Fix: sample with the model being trained, or set "
                                      "routing_replay='old'.")
-        flat = routes.reshape(-1, top_k)
-        pending.append(flat[(flat != no_route(flat.dtype)).any(-1)])
+        pending.append(routes.reshape(-1, top_k))
         size += len(pending[-1])
         if size >= _CHECK_ROWS:
             check(pending)

