@@ -266,6 +266,7 @@ def _serving(root, model_dir, max_model_len=128, started=None):
     import vllm_cpu_engine
 
     port = _free_port()
+    root.mkdir(parents=True, exist_ok=True)
     log_path = root / "server.log"
     with open(log_path, "w") as log:
         server = subprocess.Popen(

@@ -105,7 +105,8 @@ def _memory_now() -> dict:
     import gc
 
     gc.collect()
-    tensors = [obj for obj in gc.get_objects() if torch.is_tensor(obj)]
+    # vLLM's compiled graphs keep fake tensors of symbolic sizes: only tensors with a concrete size are counted
+    tensors = [obj for obj in gc.get_objects() if torch.is_tensor(obj) and type(obj.numel()) is int]
     with open("/proc/self/status") as status:
         rss = next(int(line.split()[1]) for line in status if line.startswith("VmRSS:"))
     return {"rss_mb": rss / 1024, "tensors": len(tensors),
