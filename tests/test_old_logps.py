@@ -81,13 +81,29 @@ def test_only_the_rounds_no_grad_policy_pass_is_answered():
 def test_a_round_without_sampler_logps_or_with_a_missing_one_on_a_trained_token_is_refused():
     state = SamplerOldLogps((3e-4, 4e-4), ("float32", "float32"))
     batch = {"completion_mask": torch.tensor([[1, 1, 0]]), "tool_mask": torch.tensor([[1, 0, 1]])}
+    state.start_round(training=True)
     with pytest.raises(ValueError, match="returned no sampler log-probs"):
-        state.finish_round(dict(batch))
+        state.keep(None)  # at the end of TRL's rollout, before its old-policy pass
     # NaN under a tool result (tool_mask 0) or padding is not trained on: accepted
+    state.start_round(training=True)
+    state.keep([[-1.0, 0.0]])
     ok = state.finish_round(dict(batch, sampling_per_token_logps=torch.tensor([[-1.0, math.nan, math.nan]])))
     assert ok["old_per_token_logps"] is ok["sampling_per_token_logps"]
+    state.start_round(training=True)
+    state.keep([[None, -1.0, -1.0]])
     with pytest.raises(ValueError, match="no log-prob for 1 trained tokens"):
         state.finish_round(dict(batch, sampling_per_token_logps=torch.tensor([[math.nan, -1.0, -1.0]])))
+
+
+def test_an_evaluation_round_keeps_trls_pi_old():
+    """HF generate records no log-probs outside training: an evaluation round is left to TRL."""
+    state = SamplerOldLogps((3e-4, 4e-4), ("float32", "float32"))
+    state.start_round(training=False)
+    state.keep(None)
+    with torch.no_grad():
+        assert not state.answers_old_pass(is_policy=True, reference_pass=False)
+    batch = {"completion_mask": torch.ones(1, 2), "old_per_token_logps": torch.zeros(1, 2)}
+    assert state.finish_round(dict(batch)).keys() == batch.keys()
 
 
 class _OneRank:
@@ -247,3 +263,17 @@ def test_a_sampler_gap_that_puts_most_sequences_outside_the_band_is_announced_at
     assert gaps[0]["sampling/abs_log_ratio_mean"] == pytest.approx(0.01, abs=1e-4)
     announced = [m for m in warnings if m.startswith("SAMPLER LIKELIHOODS OUTSIDE THE CLIP BAND")]
     assert len(announced) == 1 and "100% of sequences" in announced[0] and "first rollout" in announced[0]
+
+
+@pytest.mark.slow
+def test_evaluation_runs_with_the_sampler_logps_option(tmp_path, tokenizer):
+    """An evaluation round (HF generate records no log-probs there) keeps TRL's pi_old; training rounds skip it."""
+    torch.manual_seed(0)
+    args = tiny_config(tmp_path, steps_per_generation=4, max_steps=4, per_device_train_batch_size=4,
+                       per_device_eval_batch_size=4, routing_replay="sampler", old_logps="sampler",
+                       eval_strategy="steps", eval_steps=4)
+    trainer = GSPOTrainer(build_model(tokenizer), digit_reward, args=args, train_dataset=toy_dataset(),
+                          eval_dataset=toy_dataset(4), processing_class=tokenizer)
+    trainer.train()
+    assert any("eval_loss" in h for h in trainer.state.log_history)
+    assert trainer._sampler_logps.skipped_passes == 1

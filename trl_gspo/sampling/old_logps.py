@@ -96,6 +96,11 @@ def gap_warning(values: dict, band: tuple[float, float], dtypes: tuple[str, str]
             "'Training on the sampler's likelihoods', has the measurements.")
 
 
+_NO_LOGPROBS = ("`old_logps`: 'sampler', but this rollout returned no sampler log-probs (a rollout_func without "
+                "'logprobs', or a sampler that reports none). Fix: return the sampler's per-token log-probs, or set "
+                "old_logps='trainer'.")
+
+
 class SamplerOldLogps:
     """The `old_logps="sampler"` state of one trainer. `band`: the clip band (eps_low, eps_high) for the
     outside-band share; `dtypes`: (sampler, trainer) compute dtype names, for the warning."""
@@ -129,12 +134,19 @@ class SamplerOldLogps:
 
     # ------------------------------------------------------------------ generation round
     def start_round(self, training: bool) -> None:
-        self._logprobs, self._in_round = None, True
+        """A generation round begins. Only training rounds take pi_old from the sampler: an evaluation round keeps
+        TRL's behaviour (HF generate records no log-probs outside training)."""
+        self._logprobs, self._in_round = None, training
         if training:
             self._measuring, self._sums, self._extremes = True, None, None
 
     def keep(self, logprobs) -> None:
-        """TRL's per-completion sampler log-probs of this round (`_generate`'s fifth output; None if it has none)."""
+        """TRL's per-completion sampler log-probs of this round (`_generate`'s fifth output), before TRL's old-policy
+        pass: a rollout without them is refused here, before that pass or any training compute runs."""
+        if not self._in_round:
+            return
+        if logprobs is None:
+            raise ValueError(_NO_LOGPROBS)
         self._logprobs = logprobs
 
     def answers_old_pass(self, is_policy: bool, reference_pass: bool) -> bool:
@@ -156,12 +168,12 @@ class SamplerOldLogps:
     def finish_round(self, output: dict) -> dict:
         """Make the sampler's log-probs the batch's pi_old (also where TRL ran no old-policy pass); refuse a round
         without them or with a missing one on a trained token, before any training pass runs."""
-        self._in_round = False
+        if self._logprobs is None:  # an evaluation round: TRL's own pi_old
+            return output
+        self._in_round, self._logprobs = False, None
         logps = output.get("sampling_per_token_logps")
         if logps is None:
-            raise ValueError("`old_logps`: 'sampler', but this rollout returned no sampler log-probs (a rollout_func "
-                             "without 'logprobs', or a sampler that reports none). Fix: return the sampler's per-token "
-                             "log-probs, or set old_logps='trainer'.")
+            raise ValueError(_NO_LOGPROBS)
         mask = (output["completion_mask"] * output.get("tool_mask", 1)).bool()
         missing = int((torch.isnan(logps) & mask).sum())
         if missing:
