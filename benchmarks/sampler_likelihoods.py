@@ -43,7 +43,7 @@ SAMPLERS = {"vllm-bf16": dict(use_vllm=True, vllm_dtype="bfloat16"),
             "hf": dict(use_vllm=False)}
 
 
-def build_cold_started(path: Path) -> Path:
+def build_cold_started(path: Path, sft_steps: int = 600) -> Path:
     """The quickstart's model and cold start, head_dim 32, saved with its tokenizer (skipped when already there)."""
     if (path / "config.json").exists():
         return path
@@ -55,8 +55,8 @@ def build_cold_started(path: Path) -> Path:
     tokenizer = build_tokenizer()
     model = build_model(tokenizer, config_overrides={"head_dim": 32}, seed=0)
     with tempfile.TemporaryDirectory() as scratch:
-        model = sft_cold_start(model, tokenizer, scratch, max_steps=600, seed=0,
-                               dataset=make_sft_dataset(600 * 64, seed=10_000, correct_fraction=0.5))
+        model = sft_cold_start(model, tokenizer, scratch, max_steps=sft_steps, seed=0,
+                               dataset=make_sft_dataset(sft_steps * 64, seed=10_000, correct_fraction=0.5))
     staging = path.with_name(path.name + ".partial")
     model.save_pretrained(staging)
     tokenizer.save_pretrained(staging)
@@ -124,6 +124,7 @@ def main():
     parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--samplers", default="vllm-bf16,vllm-fp32,hf")
     parser.add_argument("--threads", type=int, default=1, help="torch threads per run (1 was fastest here)")
+    parser.add_argument("--sft-steps", type=int, default=600, help="cold-start steps (the quickstart's 600)")
     parser.add_argument("--cache", default=os.path.join(tempfile.gettempdir(), "trl_gspo_bench"))
     parser.add_argument("--one", help=argparse.SUPPRESS)  # internal: run one arm in this process
     options = parser.parse_args()
@@ -137,7 +138,8 @@ def main():
     import torch
 
     _setup.header("sampler_likelihoods", "cpu", torch.float32, "trainer float32")  # prints itself
-    model_dir = build_cold_started(Path(options.cache) / "sampler_likelihoods_model")
+    model_dir = build_cold_started(Path(options.cache) / f"sampler_likelihoods_model_sft{options.sft_steps}",
+                                   options.sft_steps)
     results = {}
     for sampler in options.samplers.split(","):
         for old_logps in ("trainer", "sampler"):

@@ -18,7 +18,7 @@ cost), and the time ratio.
 
 Flagship: 512 completions (64 prompts x 8 generations) of 300 prompt + 4000 completion tokens, 48 MoE layers, top-8
 of 128 experts (Qwen3-30B-A3B): 0.85 GB of routes, 1.1 GB of base64 in the answer. Needs ~8 GB of RAM. Last line,
-exactly: `flagship_route_path: <processes> <seconds with routes> <seconds without> ...`.
+exactly: `route_path: <size>:<processes> <seconds with routes> <seconds without> ...`.
 """
 
 from __future__ import annotations
@@ -172,7 +172,7 @@ def main():
     import torch
 
     _setup.header("server_routes", "cpu", torch.uint8, "none (route transport)")
-    flagship = []
+    figures = []
     for size in options.sizes.split(","):
         prompts, generations, prompt_len, completion_len, layers, top_k, _ = SIZES[size]
         answers = {}
@@ -192,10 +192,8 @@ def main():
             routed_s, routed_mb = measure(answers[True], size, True, world)
             print(f"{world:>9} {plain_s:>10.2f} {routed_s:>8.2f} {routed_s / plain_s:>6.1f}   "
                   f"{' '.join(f'{m:.0f}' for m in plain_mb)} | {' '.join(f'{m:.0f}' for m in routed_mb)}", flush=True)
-            if size == "flagship":
-                flagship.append(f"{world} {routed_s:.2f} {plain_s:.2f}")
-    if flagship:
-        print("flagship_route_path: " + " ".join(flagship))
+            figures.append(f"{size}:{world} {routed_s:.2f} {plain_s:.2f}")
+    print("route_path: " + " ".join(figures))
 
 
 if __name__ == "__main__":

@@ -112,3 +112,15 @@ def test_every_benchmark_prints_its_conditions_first():
         if script.name.startswith("_"):
             continue
         assert "header(" in script.read_text(), f"{script.name} prints no _setup.header line"
+
+
+def test_server_routes_runs_the_route_path_with_and_without_routes(tmp_path):
+    lines = _run(BENCHMARKS / "server_routes.py", "--sizes", "small", "--processes", "1,2", "--cache", tmp_path)
+    assert re.fullmatch(r"route_path: small:1 \d+\.\d+ \d+\.\d+ small:2 \d+\.\d+ \d+\.\d+", lines[-1]), lines[-1]
+
+
+def test_sampler_likelihoods_compares_both_sources_of_pi_old(tmp_path):
+    lines = _run(BENCHMARKS / "sampler_likelihoods.py", "--samplers", "hf", "--seeds", "1", "--steps", "8",
+                 "--sft-steps", "20", "--cache", tmp_path)
+    assert re.fullmatch(r"outside_band_first_rollout: hf:trainer \d\.\d+ hf:sampler \d\.\d+", lines[-1]), lines[-1]
+    assert any(line.startswith("hf: step time old_logps=sampler / old_logps=trainer") for line in lines)
