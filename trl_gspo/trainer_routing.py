@@ -220,7 +220,8 @@ class TrainerRouting:
     def finish_round(self, output: dict) -> dict:
         """Put the routes the training passes replay into the batch dict (`routing_indices`)."""
         if self._sampling:  # checked against TRL's masks here too: with old_logps="sampler" no policy pass ran
-            attention_mask = torch.cat([output["prompt_mask"], output["completion_mask"]], dim=1)
+            attention_mask = (torch.cat([output["prompt_mask"], output["completion_mask"]], dim=1)
+                              if "prompt_mask" in output and "completion_mask" in output else None)
             output[ROUTING_KEY] = self._layout(output["prompt_ids"].shape[1], output["completion_ids"].shape[1],
                                                attention_mask)
             return output
