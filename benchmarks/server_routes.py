@@ -34,6 +34,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from queue import Empty
 
 import numpy as np
 
@@ -155,7 +156,17 @@ def measure(answer: Path, size: str, routes: bool, world: int) -> tuple[float, l
                  for rank in range(world)]
     for process in processes:
         process.start()
-    results = sorted(queue.get(timeout=1800) for _ in processes)
+    results = []
+    while len(results) < world:  # a rank that dies (an import error, out of memory) stops the benchmark
+        try:
+            results.append(queue.get(timeout=5))
+        except Empty:
+            dead = [p.exitcode for p in processes if p.exitcode not in (None, 0)]
+            if dead:
+                for process in processes:
+                    process.kill()
+                sys.exit(f"a rank of the {world}-process round died (exit codes {dead}); its traceback is above")
+    results.sort()
     for process in processes:
         process.join()
     return max(seconds for _, seconds, _ in results), [grown for _, _, grown in results]

@@ -114,6 +114,7 @@ def test_every_benchmark_prints_its_conditions_first():
         assert "header(" in script.read_text(), f"{script.name} prints no _setup.header line"
 
 
+@pytest.mark.vllm  # TRL's VLLMClient needs `requests`, which the vLLM install brings (the core install does not)
 def test_server_routes_runs_the_route_path_with_and_without_routes(tmp_path):
     lines = _run(BENCHMARKS / "server_routes.py", "--sizes", "small", "--processes", "1,2", "--cache", tmp_path)
     assert re.fullmatch(r"route_path: small:1 \d+\.\d+ \d+\.\d+ small:2 \d+\.\d+ \d+\.\d+", lines[-1]), lines[-1]
