@@ -53,12 +53,23 @@ def _build_model_dir(path):
     return build_model_dir(Path(path))
 
 
+def _remove_stale_cpu_shm():
+    """Remove the shared-memory files of an earlier tensor-parallel run's vLLM CPU communicator. The run's scripts
+    end with `os._exit` (a teardown of vLLM's CPU workers aborted once), which skips their unlink; the next run's
+    workers would fail with "create shm in SHMManager failed. errno: 17" (EEXIST)."""
+    for stale in Path("/dev/shm").glob("*-cpushm_*"):
+        with contextlib.suppress(OSError):
+            stale.unlink()
+
+
 def _run(out_dir, launch=(), expect_failure=False, bind=None, model_dir=None, env=None, **options):
     """Train in a subprocess; `bind`: vLLM's CPU worker thread binding (TP), `model_dir`: the model to load, `env`:
     extra environment variables."""
     command = [*(launch or [sys.executable]), str(SCRIPT), str(out_dir), json.dumps(options)]
     extra = {"VLLM_CPU_OMP_THREADS_BIND": bind} if bind else {}
     extra.update(env or {})
+    if bind:  # tensor parallel: vLLM's CPU workers create /dev/shm/<group>-cpushm_<rank> and refuse an existing one
+        _remove_stale_cpu_shm()
     # Built here, before any rank starts, so ranks only read it.
     extra["TRL_GSPO_VLLM_MODEL_DIR"] = str(_build_model_dir(model_dir or out_dir / "model"))
     result = subprocess.run(command, capture_output=True, text=True, timeout=900,
