@@ -28,7 +28,7 @@ from ..routing import RoutingReplayError
 logger = logging.get_logger(__name__)
 
 __all__ = ["SAMPLER_GAP_FLOOR", "SamplerWatch", "check_sampler_round", "finish_mismatch", "log_turns",
-           "mismatch_sums", "model_turns", "sampler_drifted", "sampling_metrics"]
+           "mismatch_sums", "model_turns", "reduce_mismatch", "sampler_drifted", "sampling_metrics"]
 
 # A round's mean |log r_t| counts as drift when it exceeds both DRIFT_FACTOR x the first round's and the first round's
 # + DRIFT_MARGIN nats. Measured on CPU (docs/sampling.md): a correct bf16 engine stays near its round-1 gap as
@@ -113,11 +113,18 @@ def sampling_metrics(accelerator, logps, sampler_logps, mask, eps_low, eps_high,
     if agreement_counts is not None:
         counts = agreement_counts.to(extremes.device, torch.float64)
         sums["route_differing"], sums["route_counted"] = counts[:, 0].sum(), counts[:, 2].sum()
+    return reduce_mismatch(accelerator, sums, extremes)
+
+
+def reduce_mismatch(accelerator, sums: dict, extremes: torch.Tensor) -> dict[str, float]:
+    """`mismatch_sums`' per-rank sums and extremes (several micro-batches' may be added first) as metric values over
+    every rank: one sum-reduce, one gather of the extremes, one host read. Sums may carry R3's `route_differing` and
+    `route_counted`, for `routing/sampler_agreement`."""
     reduced = accelerator.reduce(torch.stack(list(sums.values())), reduction="sum")
     extremes = accelerator.gather(extremes[None]).max(0).values
     totals = dict(zip(sums, reduced))
     values = finish_mismatch(totals, extremes)
-    if agreement_counts is not None:
+    if "route_counted" in totals:
         values["routing/sampler_agreement"] = 1 - totals["route_differing"] / totals["route_counted"].clamp(min=1)
     return dict(zip(values, torch.stack(list(values.values())).tolist()))  # the one host read
 

@@ -27,7 +27,7 @@ import math
 import torch
 from transformers.utils import logging
 
-from .metrics import finish_mismatch, mismatch_sums
+from .metrics import mismatch_sums, reduce_mismatch
 
 logger = logging.get_logger(__name__)
 
@@ -206,10 +206,7 @@ class SamplerOldLogps:
             self._extremes = torch.maximum(self._extremes, extremes)
         if not sync_gradients:
             return None
-        reduced = accelerator.reduce(torch.stack(list(self._sums.values())), reduction="sum")
-        extremes = accelerator.gather(self._extremes[None]).max(0).values
-        values = finish_mismatch(dict(zip(self._sums, reduced)), extremes)
-        values = dict(zip(values, torch.stack(list(values.values())).tolist()))
+        values = reduce_mismatch(accelerator, self._sums, self._extremes)
         self._measuring, self._sums, self._extremes = False, None, None
         self.rounds += 1
         message = gap_warning(values, self.band, self.dtypes, first=self.rounds == 1)
