@@ -63,6 +63,8 @@ def main():
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--size", choices=["cpu", "gpu"], default="cpu",
                         help="gpu: Qwen3-30B-A3B layer widths in bf16 on CUDA (overrides the width options)")
+    parser.add_argument("--profile", type=int, default=0, metavar="STEPS",
+                        help="also profile STEPS steps per arm with torch.profiler and print where the time goes")
     args = parser.parse_args()
     if args.size == "gpu":
         vars(args).update(GPU_SIZE)
@@ -117,7 +119,24 @@ def main():
     print(f"host reads per step (device syncs on a GPU): plain {host_reads[False]}, replay {host_reads[True]}")
     print(f"recording: {recording.bytes_per_token} bytes per token ({recording.indices.dtype}, "
           f"{recording.bytes_per_token / (args.layers * args.top_k):.0f} byte per (token, layer, k))")
+    if args.profile:
+        profile(step, args.profile, args.device)
     print(f"routing_replay_overhead: {replay_median / plain_median:.3f} (target <= 1.02)")
+
+
+def profile(step, steps: int, device: str) -> None:
+    """The operators each arm spends its time in (device time on a GPU, host time on a CPU), top 20."""
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device == "cuda" else [])
+    sort = "self_cuda_time_total" if device == "cuda" else "self_cpu_time_total"
+    for with_replay in (False, True):
+        with torch_profile(activities=activities) as prof:
+            for _ in range(steps):
+                step(with_replay)
+        print(f"\nprofile, {'replay' if with_replay else 'plain'}, {steps} steps, sorted by {sort}:")
+        print(prof.key_averages().table(sort_by=sort, row_limit=20, max_name_column_width=60))
 
 
 if __name__ == "__main__":
