@@ -85,9 +85,16 @@ def device() -> str:
 
 
 @pytest.fixture
-def record_figure():
-    """`record_figure(check, figure)`: a line of the summary a `pytest -m gpu` run prints at its end."""
-    return lambda check, figure: GPU_FIGURES.append((check, figure))
+def record_figure(request):
+    """`record_figure(check, figure)`: a line of the summary a `pytest -m gpu` run prints at its end. Kept in the
+    test's report (user_properties), which pytest-xdist carries back from its workers: a module-level list filled in
+    a worker never reached the summary of a `pytest -m gpu -n 3` run."""
+    return lambda check, figure: request.node.user_properties.append(("gpu_figure", (check, figure)))
+
+
+def pytest_runtest_logreport(report):
+    if report.when == "teardown":  # each phase's report carries the test's properties; read them once
+        GPU_FIGURES.extend(tuple(value) for name, value in report.user_properties if name == "gpu_figure")
 
 
 def pytest_terminal_summary(terminalreporter, exitstatus, config):

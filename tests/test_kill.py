@@ -1,5 +1,6 @@
 """Stopping `trl-gspo` (SIGINT / SIGTERM) stops every process it launched, and nothing writes `output_dir` after."""
 
+import os
 import signal
 import subprocess
 import sys
@@ -95,7 +96,9 @@ def test_sigterm_during_training_leaves_no_process_and_no_writes(tmp_path):
         gradient_checkpointing: false
         plot: false
     """))
-    env = cpu_env(TOKENIZERS_PARALLELISM="false", PYTHONPATH=str(ROOT))
+    # ROOT first, then whatever PYTHONPATH the run has (a GPU image with the dependencies on a --target path)
+    env = cpu_env(TOKENIZERS_PARALLELISM="false",
+                  PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
     command = subprocess.Popen([sys.executable, "-m", "trl_gspo.cli", "--config", str(recipe)], cwd=ROOT, env=env,
                                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     deadline = time.monotonic() + 240
