@@ -12,10 +12,10 @@ from __future__ import annotations
 
 import sys
 
-from . import launching
+from . import launching, multinode
 from .checkpoints import check_resume_before_launch
 from .recipe import (GSPOScriptArguments, RecipeError, check_launch, check_recipe, describe,  # noqa: F401
-                     make_parser, parse_recipe)
+                     launch_options, make_parser, parse_recipe)
 from .rewards import resolve_rewards
 from .tool_registry import resolve_tools
 
@@ -88,8 +88,14 @@ def main(argv: list[str] | None = None) -> int:
         return 0
 
     accelerate_tokens = launch_args + ["--module", TRAINING_MODULE] + _without(argv, cli_launch_tokens)
+    options = launch_options(launch_args)
+    if multinode.join_note(*options):
+        print(multinode.join_note(*options), flush=True)
     # A child process group: SIGINT/SIGTERM to trl-gspo stop every training process too (trl_gspo/launching.py).
-    return launching.run_forwarding_signals(launching.accelerate_launch_command(accelerate_tokens))
+    returncode = launching.run_forwarding_signals(launching.accelerate_launch_command(accelerate_tokens))
+    if 0 < returncode < 128 and multinode.failure_hint(*options):  # a failure, not a stop by a signal
+        print(multinode.failure_hint(*options), file=sys.stderr)
+    return returncode
 
 
 if __name__ == "__main__":

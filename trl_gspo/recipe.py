@@ -320,7 +320,7 @@ def has_accelerator() -> bool:
     return torch.accelerator.is_available() and torch.accelerator.current_accelerator().type != "mps"
 
 
-def _launch_options(launch_args: list[str]):
+def launch_options(launch_args: list[str]):
     """The parsed `accelerate launch` options, and the accelerate config file they name (a dict, maybe empty)."""
     from accelerate.commands.launch import launch_command_parser
 
@@ -336,7 +336,7 @@ def _launch_options(launch_args: list[str]):
 
 def launcher_type(launch_args: list[str]) -> str:
     """The `distributed_type` the `accelerate launch` options select: DEEPSPEED, FSDP, MULTI_GPU, NO, ..."""
-    options, config = _launch_options(launch_args)
+    options, config = launch_options(launch_args)
     if options.use_deepspeed:
         return "DEEPSPEED"
     if options.use_fsdp:
@@ -346,7 +346,7 @@ def launcher_type(launch_args: list[str]) -> str:
 
 def launched_processes(launch_args: list[str]) -> int:
     """How many training processes the launch options start (over all machines)."""
-    options, config = _launch_options(launch_args)
+    options, config = launch_options(launch_args)
     return int(options.num_processes or config.get("num_processes") or 1)
 
 
@@ -356,8 +356,18 @@ def check_launch(script_args, training_args, launch_args: list[str], dry_run: bo
     A dry run validates a GPU recipe on a machine without one, so what only the launch machine can decide (is there
     an accelerator for FSDP) is a note there and an error at launch.
     """
+    from .multinode import launch_problems
+
     notes = []
     distributed_type = launcher_type(launch_args)
+    options, config = launch_options(launch_args)
+    problems = launch_problems(options, config, distributed_type)
+    if training_args.save_on_each_node and int(options.num_machines or config.get("num_machines") or 1) > 1:
+        problems.append("`save_on_each_node: true` on several machines: transformers 5 writes model weights from "
+                        "global rank 0 only, so the other nodes' checkpoints would have none. Fix: remove "
+                        "save_on_each_node and put output_dir on a filesystem every node mounts.")
+    if problems:
+        raise RecipeError("\n  ".join(problems))
     if training_args.ddp_backend and distributed_type != "DEEPSPEED" and launched_processes(launch_args) == 1:
         raise RecipeError(
             f"`ddp_backend: {training_args.ddp_backend}` sets the process group of a multi-process launch, and this "

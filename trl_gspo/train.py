@@ -96,6 +96,23 @@ def check_distributed_setup(training_args) -> None:
             why=f"this process runs on {state.device} (accelerate chose {state.distributed_type.value})"))
 
 
+def check_checkpoint_storage(training_args) -> None:
+    """On several nodes: refuse, before any model loads, an output_dir the nodes do not share (no node could resume
+    its checkpoints) and `save_on_each_node` (trl_gspo/multinode.storage_problem says why). Every process reaches the
+    same answer."""
+    from accelerate.utils import parse_flag_from_env
+
+    from . import multinode
+
+    if multinode.nodes()[1] <= 1:
+        return
+    deepspeed = parse_flag_from_env("ACCELERATE_USE_DEEPSPEED") or bool(training_args.deepspeed)
+    shared = multinode.output_dir_is_shared(training_args.output_dir)
+    problem = multinode.storage_problem(shared, training_args.save_on_each_node, deepspeed, training_args.output_dir)
+    if problem:
+        raise RecipeError(problem)
+
+
 def run(script_args, training_args, model_args, dataset_args) -> "GSPOTrainer":  # noqa: F821
     from trl import get_peft_config, get_quantization_config
 
@@ -104,6 +121,7 @@ def run(script_args, training_args, model_args, dataset_args) -> "GSPOTrainer": 
 
     check_recipe(script_args, training_args, model_args, dataset_args, probe_dataset=False)
     check_distributed_setup(training_args)
+    check_checkpoint_storage(training_args)
     rewards = resolve_rewards(script_args)
     tools = resolve_tools(script_args)  # {} or tools= / environment_factory= for TRL's tool loop
     dataset = load_dataset(script_args, dataset_args)
