@@ -201,7 +201,8 @@ def test_kill_and_resume_on_a_shared_output_dir_continues_exactly(two_node_runs,
     `--resume_from_checkpoint latest` on both: the losses after the checkpoint and the final weights are those of
     the uninterrupted run."""
     uninterrupted, _ = two_node_runs["ddp"]
-    recipe = _recipe(tmp_path, max_steps=4)
+    # A zero reward that sleeps: the same advantages, and steps slow enough to stop the run between checkpoints.
+    recipe = _recipe(tmp_path, reward_funcs="[digit_match_reward, tests.scripts.slow_reward.slow_zero_reward]")
     out = tmp_path / "out"
     port = _free_port()
     nodes = [_start(_node_command(recipe, "ddp", out, rank, port, "--max_steps", "4")) for rank in (0, 1)]
@@ -212,7 +213,7 @@ def test_kill_and_resume_on_a_shared_output_dir_continues_exactly(two_node_runs,
     for node in nodes:
         node.send_signal(signal.SIGTERM)
     _finish(nodes, timeout=120)
-    assert not (out / "model.safetensors").exists()  # stopped before the end of the run
+    assert not (out / "model.safetensors").exists() and not (out / "checkpoint-4").exists()  # stopped mid-run
 
     resumed = _two_nodes(recipe, "ddp", [out, out], "--resume_from_checkpoint", "latest")
     for code, _, stderr in resumed:
