@@ -194,18 +194,19 @@ def test_two_nodes_match_one_process(backend, tmp_path):
     _assert_same_run(two, result(results[2][1]), backend)
 
 
+@pytest.mark.parametrize("backend", list(CONFIGS))
 @pytest.mark.slow
 @pytest.mark.multiprocess
-def test_kill_and_resume_on_a_shared_output_dir_continues_exactly(two_node_runs, tmp_path):
+def test_kill_and_resume_on_a_shared_output_dir_continues_exactly(backend, two_node_runs, tmp_path):
     """Both launchers stopped by SIGTERM (as a scheduler stops a job) after a checkpoint, then the same command with
     `--resume_from_checkpoint latest` on both: the losses after the checkpoint and the final weights are those of
     the uninterrupted run."""
-    uninterrupted, _ = two_node_runs["ddp"]
+    uninterrupted, _ = two_node_runs[backend]
     # A zero reward that sleeps: the same advantages, and steps slow enough to stop the run between checkpoints.
     recipe = _recipe(tmp_path, reward_funcs="[digit_match_reward, tests.scripts.slow_reward.slow_zero_reward]")
     out = tmp_path / "out"
     port = _free_port()
-    nodes = [_start(_node_command(recipe, "ddp", out, rank, port, "--max_steps", "4")) for rank in (0, 1)]
+    nodes = [_start(_node_command(recipe, backend, out, rank, port)) for rank in (0, 1)]
     deadline = time.monotonic() + 300
     while not (out / "checkpoint-2" / "trainer_state.json").is_file():
         assert time.monotonic() < deadline and all(node.poll() is None for node in nodes), _finish(nodes)
@@ -215,7 +216,7 @@ def test_kill_and_resume_on_a_shared_output_dir_continues_exactly(two_node_runs,
     _finish(nodes, timeout=120)
     assert not (out / "model.safetensors").exists() and not (out / "checkpoint-4").exists()  # stopped mid-run
 
-    resumed = _two_nodes(recipe, "ddp", [out, out], "--resume_from_checkpoint", "latest")
+    resumed = _two_nodes(recipe, backend, [out, out], "--resume_from_checkpoint", "latest")
     for code, _, stderr in resumed:
         assert code == 0, stderr[-3000:]
     state = json.loads((out / "trainer_state.json").read_text())
