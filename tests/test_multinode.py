@@ -363,3 +363,31 @@ def test_readme_and_docs_show_the_tested_command():
     gpus = (ROOT / "docs" / "gpus.md").read_text()
     assert " ".join(readme) in " ".join(gpus.replace("\\\n", " ").split())  # the same command, line breaks aside
     assert "tests/test_multinode.py" in gpus
+
+
+def _save_on_rank(rank: int, init_file: str, out: str) -> None:
+    import torch.distributed as dist
+
+    from trl_gspo.quickstart.model import build_model
+    from trl_gspo.quickstart.tokenizer import build_tokenizer
+
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
+    try:
+        # What `Trainer._save` does on each node's first process under save_on_each_node.
+        build_model(build_tokenizer(), seed=0).save_pretrained(f"{out}/rank{rank}", is_main_process=True)
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.multiprocess
+def test_transformers_writes_weights_on_global_rank_0_only(tmp_path):
+    """Why `save_on_each_node` is refused on several machines: in a process group, transformers 5's
+    `save_pretrained` writes config and weights only on global rank 0, even when the caller says the process should
+    save. If this starts failing, transformers changed and `save_on_each_node` may work again."""
+    import torch.multiprocessing as mp
+
+    mp.spawn(_save_on_rank, args=(str(tmp_path / "init"), str(tmp_path)), nprocs=2, join=True)
+    assert (tmp_path / "rank0" / "model.safetensors").is_file()
+    assert not (tmp_path / "rank1" / "model.safetensors").exists()
+    assert not (tmp_path / "rank1" / "config.json").exists()
