@@ -89,8 +89,9 @@ def main(argv: list[str] | None = None) -> int:
 
     accelerate_tokens = launch_args + ["--module", TRAINING_MODULE] + _without(argv, cli_launch_tokens)
     options = launch_options(launch_args)
-    if multinode.join_note(*options):
-        print(multinode.join_note(*options), flush=True)
+    note = multinode.join_note(*options)
+    if note:
+        print(note, flush=True)
     # A child process group: SIGINT/SIGTERM to trl-gspo stop every training process too (trl_gspo/launching.py).
     returncode = launching.run_forwarding_signals(launching.accelerate_launch_command(accelerate_tokens))
     if 0 < returncode < 128 and multinode.failure_hint(*options):  # a failure, not a stop by a signal

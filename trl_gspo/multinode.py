@@ -56,7 +56,7 @@ def port_in_use(port: int) -> bool:
     return False
 
 
-def launch_problems(options, config: dict, distributed_type: str) -> list[str]:
+def launch_problems(options, config: dict, distributed_type: str, save_on_each_node: bool = False) -> list[str]:
     """What is wrong with the launch options for several machines (or with the port on one), each naming the option
     and the fix; empty when nothing is."""
     machines = int(_value(options, config, "num_machines", 1) or 1)
@@ -86,6 +86,10 @@ def launch_problems(options, config: dict, distributed_type: str) -> list[str]:
         problems.append(f"`main_process_port` {port} is already in use on this machine (another run, or a process "
                         "left from one). Fix: pick a free port and pass the same --main_process_port on every "
                         "node, or stop what holds it.")
+    if machines > 1 and save_on_each_node:
+        problems.append("`save_on_each_node: true` on several machines: transformers 5 writes model weights from "
+                        "global rank 0 only, so the other nodes' checkpoints would have none. Fix: remove "
+                        "save_on_each_node and put output_dir on a filesystem every node mounts.")
     launcher = _value(options, config, "deepspeed_multinode_launcher")
     if machines > 1 and distributed_type == "DEEPSPEED" and launcher not in ("standard", "nossh"):
         problems.append(f"DeepSpeed on {machines} machines with `deepspeed_multinode_launcher: "

@@ -360,12 +360,7 @@ def check_launch(script_args, training_args, launch_args: list[str], dry_run: bo
 
     notes = []
     distributed_type = launcher_type(launch_args)
-    options, config = launch_options(launch_args)
-    problems = launch_problems(options, config, distributed_type)
-    if training_args.save_on_each_node and int(options.num_machines or config.get("num_machines") or 1) > 1:
-        problems.append("`save_on_each_node: true` on several machines: transformers 5 writes model weights from "
-                        "global rank 0 only, so the other nodes' checkpoints would have none. Fix: remove "
-                        "save_on_each_node and put output_dir on a filesystem every node mounts.")
+    problems = launch_problems(*launch_options(launch_args), distributed_type, training_args.save_on_each_node)
     if problems:
         raise RecipeError("\n  ".join(problems))
     if training_args.ddp_backend and distributed_type != "DEEPSPEED" and launched_processes(launch_args) == 1:

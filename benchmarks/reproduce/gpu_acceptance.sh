@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The GPU acceptance run (docs/gpus.md) as one bounded command, for a bare one-GPU machine with a short lease:
-#   bash /work/shared/gpu/wheels.sh   # on a CPU machine first: the wheels the GPU image lacks, into .whl/
+#   (on a CPU machine first: `pip download`/`pip wheel` the packages the GPU image lacks into .whl/: trl,
+#    transformers, datasets, deepspeed and their small dependencies; docs/results.md 'On one H200' lists them)
 #   bash benchmarks/reproduce/gpu_acceptance.sh [OUT_DIR] [COMMIT]     # on the GPU machine, from the repo root
 # Phases 1 and 3 have the GPU to themselves (timed ratios, step shares); phase 2 runs the acceptance suite, the CPU test suite and the
 # untimed benchmarks side by side. Every step has a timeout, so the whole run ends within about 580 s; each log says
