@@ -23,19 +23,13 @@ import pytest
 import torch
 from conftest import cpu_env
 from safetensors.torch import load_file
-from test_multiprocess import ONE_PROCESS, RUN_SCRIPT, _assert_same_run
+from test_multiprocess import ONE_PROCESS, RUN_SCRIPT, _assert_same_run, _free_port
 
 from trl_gspo import cli, multinode
 
 ROOT = Path(__file__).resolve().parents[1]
 ACCELERATE = ROOT / "recipes" / "accelerate"
 CONFIGS = {"ddp": ACCELERATE / "cpu_ddp.yaml", "zero3": ACCELERATE / "cpu_zero3.yaml"}
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def _recipe(tmp_path: Path, **overrides) -> Path:
