@@ -386,14 +386,14 @@ def test_rollout_func_routes_of_the_wrong_shape_are_refused(tmp_path, tokenizer)
         trainer.train()
 
 
-def test_tool_layouts_where_trl_slices_turns_across_processes_are_refused():
-    from types import SimpleNamespace
+def test_the_tool_turn_lockstep_applies_to_the_trl_versions_read_and_measured():
+    """TRL 1.16's tool loop slices a turn's results by `rank * len(prompts)` (server, TP > 1) and lets ranks leave it
+    at different turns (TRL PR 6673, open): our lockstep applies to 1.16.x, the range measured in
+    tests/test_tool_turns_multiprocess.py; a TRL release outside it runs its own loop unchanged."""
+    import trl
 
-    from trl_gspo.trainer_routing import _refuse_sliced_tool_turns
+    from trl_gspo.tool_turns import trl_tool_loop_needs_lockstep
 
-    with pytest.raises(ValueError, match="vllm_tensor_parallel_size=2.*TRL PR 6673.*Fix"):
-        _refuse_sliced_tool_turns(SimpleNamespace(vllm_mode="colocate", vllm_tensor_parallel_size=2), 1)
-    with pytest.raises(ValueError, match="server' with 2 training processes"):
-        _refuse_sliced_tool_turns(SimpleNamespace(vllm_mode="server", vllm_tensor_parallel_size=1), 2)
-    _refuse_sliced_tool_turns(SimpleNamespace(vllm_mode="colocate", vllm_tensor_parallel_size=1), 4)  # per-rank engines
-    _refuse_sliced_tool_turns(SimpleNamespace(vllm_mode="server", vllm_tensor_parallel_size=4), 1)
+    assert trl_tool_loop_needs_lockstep(trl.__version__)  # the pinned TRL (pyproject: >=1.16.0,<1.17)
+    assert trl_tool_loop_needs_lockstep("1.16.0") and trl_tool_loop_needs_lockstep("1.16.3")
+    assert not trl_tool_loop_needs_lockstep("1.17.0") and not trl_tool_loop_needs_lockstep("1.15.2")

@@ -4,6 +4,8 @@ like TRL's padded `[prompt | completion]` tensors, checked against one full forw
 DESIGN.md section 5: on CPU, generate with a KV cache and one full forward in the same dtype give the same routes and
 log-probs (float32 difference ~1e-7), so a full forward is an independent reference for the recorded alignment."""
 
+import contextlib
+
 import pytest
 import torch
 
@@ -225,13 +227,37 @@ def _record(model, extra_forward=False, **generate_kwargs):
     return rec, rec.per_sample(out.sequences, mask, _completion_lengths(out.sequences, ids.shape[1]))
 
 
-@pytest.mark.parametrize("variant", ["chunked_prefill", "extra_forward"])
-def test_chunked_prefill_and_an_extra_decode_forward_give_the_same_recording(tokenizer, variant):
+@contextlib.contextmanager
+def _a_peer_generating_for(steps, monkeypatch):
+    """transformers' `synced_gpus` loop on one process, as on a ZeRO-3 rank whose peer is still generating: the
+    all-reduce of "unfinished" flags reports that peer for `steps` more steps after this rank has finished."""
+    import transformers.generation.utils as generation_utils
+
+    left = [steps]
+
+    def all_reduce(flag, op=None):
+        if flag.item() == 0.0 and left[0] > 0:
+            left[0] -= 1
+            flag += 1.0
+    monkeypatch.setattr(generation_utils.dist, "all_reduce", all_reduce)
+    yield left
+
+
+@pytest.mark.parametrize("variant", ["chunked_prefill", "extra_forward", "synced_gpus"])
+def test_chunked_prefill_and_an_extra_decode_forward_give_the_same_recording(tokenizer, variant, monkeypatch):
+    """Also ZeRO-3's `synced_gpus`: a rank that finished keeps calling the model (fed its last token) while a peer
+    generates; those forwards are not this rank's tokens and are dropped (the ZeRO-3 + R3 tool-turn failure)."""
     model = _model(tokenizer)
     plain_rec, plain = _record(model)
-    rec, other = _record(model, **({"prefill_chunk_size": 4} if variant == "chunked_prefill" else
-                                   {"extra_forward": True}))
-    assert len(rec.fed) == len(plain_rec.fed) + (2 if variant == "chunked_prefill" else 1)  # the variant happened
+    if variant == "synced_gpus":
+        with _a_peer_generating_for(3, monkeypatch) as left:
+            rec, other = _record(model, synced_gpus=True)
+        assert left == [0]
+    else:
+        rec, other = _record(model, **({"prefill_chunk_size": 4} if variant == "chunked_prefill" else
+                                       {"extra_forward": True}))
+    extra = {"chunked_prefill": 2, "extra_forward": 1, "synced_gpus": 3}[variant]
+    assert len(rec.fed) == len(plain_rec.fed) + extra  # the variant happened
     for a, b in zip(plain.prompt_routes + plain.completion_routes, other.prompt_routes + other.completion_routes):
         assert torch.equal(a, b)
     for a, b in zip(plain.sampler_logps, other.sampler_logps):

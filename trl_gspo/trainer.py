@@ -30,6 +30,7 @@ from .sampling.old_logps import SamplerOldLogps
 from .sampling.vllm import (capture_routes, check_sampler_at_start, engine_options, server_failures,
                             trainer_engine_options)
 from .trainer_checkpoints import CheckpointMixin
+from .tool_turns import ToolTurnsMixin
 from .trainer_routing import TrainerRouting, _first_adapter_layer, _reference_pass
 from .trl_options import apply_trl_options
 
@@ -45,7 +46,7 @@ _FORWARD_BATCH_KEYS = tuple(
 )
 
 
-class GSPOTrainer(CheckpointMixin, GRPOTrainer):
+class GSPOTrainer(CheckpointMixin, ToolTurnsMixin, GRPOTrainer):
     """Drop-in replacement for `trl.GRPOTrainer` that adds `loss_type="gspo"` and `loss_type="gspo_token"`.
 
     Takes exactly `GRPOTrainer`'s arguments. `args` may be a `GSPOConfig` (paper presets for gspo types) or TRL's
@@ -80,8 +81,7 @@ class GSPOTrainer(CheckpointMixin, GRPOTrainer):
                                            dtypes)
         self._adapter_layer = _first_adapter_layer(base)
         self._sampler_logps = SamplerOldLogps.build(self, self._clip_band(), dtypes)  # old_logps="sampler", or None
-        self._routing = TrainerRouting.build(base, self.args, runs_old_policy_pass(self.args),
-                                             multi_turn=bool(self.tools), num_processes=self.accelerator.num_processes)
+        self._routing = TrainerRouting.build(base, self.args, runs_old_policy_pass(self.args))
         self._replay_stack, self._replay_opened = None, False  # open while a micro-batch runs forward and backward
 
     # ------------------------------------------------------------------ MoE routing (trl_gspo/trainer_routing.py)
@@ -121,7 +121,8 @@ class GSPOTrainer(CheckpointMixin, GRPOTrainer):
                 contextlib.nullcontext()):
             if self._routing is None:
                 return super()._generate_single_turn(*args, **kwargs)
-            target = (lambda: capture_routes(self.vllm_generation, self.accelerator)) if self.use_vllm else (
+            target = (lambda: capture_routes(self.vllm_generation, self.accelerator, lambda: self._turn_split)
+                      ) if self.use_vllm else (
                 lambda: self.accelerator.unwrap_model(self.model_wrapped))
             with self._routing.sampling(target, vllm=self.use_vllm) as finish:
                 completion_ids, logprobs = super()._generate_single_turn(*args, **kwargs)

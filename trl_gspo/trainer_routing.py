@@ -57,15 +57,12 @@ class TrainerRouting:
         self._adapter_layer = _first_adapter_layer(replay.model)  # PEFT: tells TRL's reference pass from the others
 
     @classmethod
-    def build(cls, model, args, old_pass_runs: bool, multi_turn: bool = False,
-              num_processes: int = 1) -> TrainerRouting | None:
+    def build(cls, model, args, old_pass_runs: bool) -> TrainerRouting | None:
         """Routing for `model` (unwrapped, PEFT base model). None when there is nothing to measure; raises
-        `ValueError` when replay was asked for and cannot work. `multi_turn`: TRL's tool loop runs (tools or
-        `environment_factory`): sampler routes are stitched across turns, which TRL's vLLM layouts that slice one
-        call's results over several processes cannot give (below)."""
+        `ValueError` when replay was asked for and cannot work. A tool loop's sampler routes are stitched across
+        turns (`end_sampling`) in every layout: where TRL would slice a turn's results over processes, the turns run
+        in lockstep (`trl_gspo.tool_turns`)."""
         mode = getattr(args, "routing_replay", "none")
-        if mode == "sampler" and multi_turn and args.use_vllm:
-            _refuse_sliced_tool_turns(args, num_processes)
         if not find_routers(model):
             if mode != "none":
                 raise ValueError(f"`routing_replay`: {type(model).__name__} has no MoE router to replay. Fix: set "
@@ -132,6 +129,8 @@ class TrainerRouting:
         with wrapping_method(target(), "generate", capturing):
             with record_generation(self.replay, self.temperature) as recording:
                 def finish(prompt_ids, completion_ids, logprobs):
+                    if not completion_ids:  # an empty tool turn (trl_gspo.tool_turns): nothing of this rank's
+                        return []
                     if "sequences" not in captured:
                         raise RuntimeError("routing_replay='sampler': TRL generated without calling the model's "
                                            "`generate`, so no sampler routes were recorded. Fix: use HF generation "
@@ -145,6 +144,8 @@ class TrainerRouting:
 
     def _keep(self, prompt_ids, completion_ids, sampled: SampledRoutes, source: str) -> None:
         """Validate one generate call's routes (before anything replays them) and keep them for the round."""
+        if not completion_ids:  # an empty tool turn of this rank (trl_gspo.tool_turns): no call to stitch
+            return
         check_sampled_routes(sampled, self.replay.num_experts, self.replay.top_k, source)
         self._calls.append(SamplerCall([list(ids) for ids in prompt_ids], [list(ids) for ids in completion_ids],
                                        sampled))
@@ -294,26 +295,6 @@ class TrainerRouting:
             return []
         counts = torch.stack([c.to(kept[0].device) for c in kept]).cpu()
         return [item for micro_batch in counts for item in routing_metrics(micro_batch, self.mode).items()]
-
-
-def _refuse_sliced_tool_turns(args, num_processes: int) -> None:
-    """R3 with TRL's tool loop on vLLM: refuse the layouts where TRL slices one call's results over processes.
-
-    TRL 1.16 gathers a turn's prompts over the TP group (colocate, TP > 1) or all processes (server) and keeps
-    `rank * len(prompts)` onwards; in a tool turn each rank sends only its tool-calling samples, a number that
-    differs between ranks, so the slice is another rank's (TRL PR 6673). Routes follow TRL's slice, so they would too.
-    """
-    sliced = (args.vllm_mode == "colocate" and args.vllm_tensor_parallel_size > 1) or (
-        args.vllm_mode == "server" and num_processes > 1)
-    if sliced:
-        layout = (f"vllm_tensor_parallel_size={args.vllm_tensor_parallel_size}" if args.vllm_mode == "colocate"
-                  else f"vllm_mode='server' with {num_processes} training processes")
-        raise ValueError(
-            f"`routing_replay`: 'sampler' with tools or environment_factory and {layout}: TRL 1.16 slices each tool "
-            "turn's results by `rank * len(prompts)`, which is another rank's slice when ranks have different numbers "
-            "of tool-calling samples in a turn (TRL PR 6673), so completions and routes would not be this rank's. "
-            "Fix: vllm_mode='colocate' with vllm_tensor_parallel_size=1, server mode with one training process, HF "
-            "generate (use_vllm=False), or routing_replay='old'.")
 
 
 def _first_adapter_layer(model: torch.nn.Module):

@@ -156,7 +156,8 @@ class GenerationRecording:
     transformers 5.23 `generate` internals this relies on (generation/utils.py `_sample`, `_prefill`): one prefill
     call (or several with `prefill_chunk_size`), then one call per new token but the last, fed the previous token;
     logits come as `[batch, 1, vocab]` (`logits_to_keep=1`); finished rows are fed pad tokens; a `DeferredStopCheck`
-    (mps) runs one extra decode call that generate undoes. `per_sample` checks the fed ids against generate's output,
+    (mps) runs one extra decode call that generate undoes; under `synced_gpus` a rank that finished keeps calling the
+    model, fed its last token, until all ranks finish. `per_sample` checks the fed ids against generate's output,
     so a layout these facts no longer describe fails there instead of misaligning routes.
     """
 
@@ -216,13 +217,16 @@ class GenerationRecording:
         if bool((lengths < 0).any() | (lengths > generated).any()):
             raise RoutingReplayError(f"completion lengths {lengths.tolist()} must lie in [0, {generated}], the "
                                      "number of tokens generate produced.")
-        # Routes exist for positions 0 .. P+G-2 (the last token is never fed); a deferred stop check may add one
-        # more forward, fed the last token, which is dropped for a uniform layout.
+        # Routes exist for positions 0 .. P+G-2 (the last token is never fed). Forwards after those are fed the last
+        # token again and are dropped for a uniform layout: one from a deferred stop check, or one per step that
+        # another rank still generates under `synced_gpus` (ZeRO-3 / FSDP on several processes, where generate keeps
+        # a finished rank stepping with the others, re-feeding its last token, until every rank is done).
         needed = width + generated - 1
         same_batch = all(ids.shape[0] == batch for ids in self.fed)
         fed = torch.cat([ids.to(sequences.device) for ids in self.fed], 1) if self.fed and same_batch else None
-        lined_up = (fed is not None and needed <= fed.shape[1] <= needed + 1
-                    and torch.equal(fed[:, :needed], sequences[:, :needed]))
+        lined_up = (fed is not None and needed <= fed.shape[1]
+                    and torch.equal(fed[:, :needed], sequences[:, :needed])
+                    and bool((fed[:, needed:] == sequences[:, -1:]).all()))
         if not lined_up:
             raise RoutingReplayError(
                 f"the recorded forwards were fed {0 if fed is None else fed.shape[1]} positions that do not line up "

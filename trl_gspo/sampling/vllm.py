@@ -338,24 +338,31 @@ def routes_from_server(choices: list[dict], index_dtype: torch.dtype = torch.uin
 _ROUTE_FIELDS = ("prompt_token_ids", "token_ids", "routed_experts")
 
 
-def hand_out_choices(choices: list[dict], count: int, accelerator) -> list[dict]:
-    """Server mode, several processes: give each rank the choices of its TRL slice (`rank * count` onwards, TRL's
-    `process_slice`), collectively. The main process sends each other rank only its choices' token ids and base64
-    routes (point to point, one rank at a time, each text dropped once sent); every rank decodes its own."""
+def hand_out_choices(choices: list[dict], counts: list[int], accelerator) -> list[dict]:
+    """Server mode, several processes: give each rank the choices of its slice, collectively. The main process holds
+    every rank's choices in rank order, `counts[r]` of them for rank r (TRL's `process_slice`: equal counts; a lockstep
+    tool turn, `trl_gspo.tool_turns`: the counts each rank sent). It sends each other rank with a non-empty slice only
+    its choices' token ids and base64 routes (point to point, one rank at a time, each text dropped once sent); every
+    rank decodes its own."""
     import torch.distributed as dist
 
     if not accelerator.is_main_process:
+        if not counts[accelerator.process_index]:
+            return []
         received = [None]
         dist.recv_object_list(received, src=0)
         return received[0]
+    start = counts[0]
     for rank in range(1, accelerator.num_processes):
-        part = [{field: choice.get(field) for field in _ROUTE_FIELDS}
-                for choice in choices[rank * count:(rank + 1) * count]]
-        dist.send_object_list([part], dst=rank)
-        for choice in choices[rank * count:(rank + 1) * count]:
-            choice["routed_experts"] = None
-        del part
-    return choices[:count]
+        stop = start + counts[rank]
+        if stop > start:
+            part = [{field: choice.get(field) for field in _ROUTE_FIELDS} for choice in choices[start:stop]]
+            dist.send_object_list([part], dst=rank)
+            for choice in choices[start:stop]:
+                choice["routed_experts"] = None
+            del part
+        start = stop
+    return choices[:counts[0]]
 
 
 def check_server_returns_routes(client, layout: tuple[int, int] | None = None) -> None:
@@ -422,16 +429,20 @@ def capture_server_choices(client):
 
 
 @contextlib.contextmanager
-def capture_routes(vllm_generation, accelerator):
+def capture_routes(vllm_generation, accelerator, split=None):
     """Around one TRL vLLM generate call (`VLLMGeneration.generate`), in every process. Yields
     `take(completion_lengths, index_dtype)`: the routes of the completions TRL kept for this process (its slice; see
-    the module docstring). `take` is collective in server mode (the main process sends each rank its slice)."""
+    the module docstring). `take` is collective in server mode (the main process sends each rank its slice).
+    `split()`, read when `take` runs, gives the layout of a lockstep tool turn (`trl_gspo.tool_turns.TurnSplit`: the
+    group's counts and this rank's place) or None for TRL's equal slices."""
+    layout = split if split is not None else (lambda: None)
     if vllm_generation.mode == "server":
         client = getattr(vllm_generation, "vllm_client", None)  # the main process's only
         with capture_server_choices(client) if client is not None else contextlib.nullcontext([]) as choices:
             def take_server(completion_lengths, index_dtype):
-                mine = choices if accelerator.num_processes == 1 else hand_out_choices(
-                    choices, len(completion_lengths), accelerator)
+                turn = layout()
+                counts = turn.counts if turn is not None else [len(completion_lengths)] * accelerator.num_processes
+                mine = choices if accelerator.num_processes == 1 else hand_out_choices(choices, counts, accelerator)
                 return slice_routes(routes_from_server(mine, index_dtype), 0, completion_lengths)
 
             yield take_server
@@ -439,9 +450,11 @@ def capture_routes(vllm_generation, accelerator):
     with capture_outputs(vllm_generation.llm) as outputs:
         def take_colocate(completion_lengths, index_dtype):
             everything = routes_from_vllm(outputs, index_dtype)
-            rank_in_group = 0
-            if vllm_generation.tensor_parallel_size > 1:  # TRL gathered the TP group's prompts; it keeps our slice
-                rank_in_group = torch.distributed.get_rank(group=vllm_generation.tp_group)
-            return slice_routes(everything, rank_in_group * len(completion_lengths), completion_lengths)
+            turn, start = layout(), 0
+            if turn is not None:  # a lockstep tool turn: the group's results in rank order, `counts` each
+                start = turn.start
+            elif vllm_generation.tensor_parallel_size > 1:  # TRL gathered the TP group's prompts; it keeps our slice
+                start = torch.distributed.get_rank(group=vllm_generation.tp_group) * len(completion_lengths)
+            return slice_routes(everything, start, completion_lengths)
 
         yield take_colocate
