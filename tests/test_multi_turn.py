@@ -389,7 +389,7 @@ def test_rollout_func_routes_of_the_wrong_shape_are_refused(tmp_path, tokenizer)
 def test_the_tool_turn_lockstep_applies_to_the_trl_versions_read_and_measured():
     """TRL 1.16's tool loop slices a turn's results by `rank * len(prompts)` (server, TP > 1) and lets ranks leave it
     at different turns (TRL PR 6673, open): our lockstep applies to 1.16.x, the range measured in
-    tests/test_tool_turns_multiprocess.py; a TRL release outside it runs its own loop unchanged."""
+    tests/test_tool_turns.py; a TRL release outside it runs its own loop unchanged."""
     import trl
 
     from trl_gspo.tool_turns import trl_tool_loop_needs_lockstep

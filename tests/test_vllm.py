@@ -62,10 +62,10 @@ def _remove_stale_cpu_shm():
             stale.unlink()
 
 
-def _run(out_dir, launch=(), expect_failure=False, bind=None, model_dir=None, env=None, **options):
+def _run(out_dir, launch=(), expect_failure=False, bind=None, model_dir=None, env=None, script=SCRIPT, **options):
     """Train in a subprocess; `bind`: vLLM's CPU worker thread binding (TP), `model_dir`: the model to load, `env`:
-    extra environment variables."""
-    command = [*(launch or [sys.executable]), str(SCRIPT), str(out_dir), json.dumps(options)]
+    extra environment variables, `script`: the run script (tests/scripts/vllm_run.py by default)."""
+    command = [*(launch or [sys.executable]), str(script), str(out_dir), json.dumps(options)]
     extra = {"VLLM_CPU_OMP_THREADS_BIND": bind} if bind else {}
     extra.update(env or {})
     if bind:  # tensor parallel: vLLM's CPU workers create /dev/shm/<group>-cpushm_<rank> and refuse an existing one
@@ -512,3 +512,81 @@ def test_server_mode_r3_across_tool_turns_replays_the_hand_stitched_routes(vllm_
     routes; every policy pass equals a model copy scored with routes stitched by hand from the raw answers."""
     url, model_dir = vllm_tool_server
     _multi_turn_checks(_run(tmp_path, model_dir=model_dir, server=url, **TOOL_RUN))
+
+
+# ---------------------------------------------------------------- tool loops on two processes, rank-divergent turns
+# tests/scripts/tool_turns_run.py forces rank 0's samples to call the tool in two turns and rank 1's in one turn (fewer
+# samples) or none; tests/test_tool_turns.py has the HF generate layouts and says what is checked.
+TOOL_TURNS = Path(__file__).parent / "scripts" / "tool_turns_run.py"
+
+
+def _tool_turns(tmp_path, model_dir, launch=DDP, bind=None, expect_failure=False, **options):
+    from test_tool_turns import HANG_BOUND
+
+    return _run(tmp_path, launch=_two_processes(launch), bind=bind, model_dir=model_dir, script=TOOL_TURNS,
+                expect_failure=expect_failure, env={"OMP_NUM_THREADS": "1", "TRL_EXPERIMENTAL_SILENCE": "1"},
+                max_steps=4, ddp_timeout=HANG_BOUND, **options)
+
+
+def _replayed_the_engine_routes(result):
+    for checks in result["checks_per_rank"]:  # old-policy pass + 2 training passes per round, 2 rounds
+        assert checks["passes"] >= 4 and checks["training_passes"] >= 2
+        assert checks["max_forced_diff"] < 1e-5
+        assert checks["max_natural_diff"] > 1e-3
+
+
+def test_colocate_tp1_two_processes_rank_divergent_tool_turns_r3(tool_model_dir, tmp_path):
+    """One engine per rank: TRL's loop is right here (no collective in a turn), and R3 stitches each rank's own."""
+    from test_tool_turns import assert_divergent_and_own
+
+    result = _tool_turns(tmp_path, tool_model_dir, engine="colocate", reference=True, loss_type="gspo",
+                         routing_replay="sampler", learning_rate=0.0, routing_replay_min_agreement=0.0)
+    assert_divergent_and_own(result)
+    _replayed_the_engine_routes(result)
+
+
+def test_tensor_parallel_2_rank_divergent_tool_turns_r3(tool_model_dir, tmp_path):
+    """One TP-2 group: the turns run in lockstep (rank 1 takes part empty-handed in rank 0's second turn), rank 0
+    sends the group's prompts, and each rank gets back its own completions and routes."""
+    from test_tool_turns import assert_divergent_and_own
+
+    result = _tool_turns(tmp_path, tool_model_dir, bind="0|1", engine="colocate", reference=True,
+                         vllm_tensor_parallel_size=2, loss_type="gspo_token", routing_replay="sampler",
+                         learning_rate=0.0, routing_replay_min_agreement=0.0)
+    assert_divergent_and_own(result)
+    _replayed_the_engine_routes(result)
+
+
+def test_tensor_parallel_2_under_zero3_rank_divergent_tool_turns(tool_model_dir, tmp_path):
+    """The flagship's layout (ZeRO-3 beside TP-2 engines), grpo without replay, weights synced every round."""
+    from test_tool_turns import assert_divergent_and_own
+
+    assert_divergent_and_own(_tool_turns(tmp_path, tool_model_dir, launch=ZERO3, bind="0|1", engine="colocate",
+                                         vllm_tensor_parallel_size=2, loss_type="grpo", routing_replay="none"))
+
+
+def test_stock_trl_tool_turns_at_tensor_parallel_2(tool_model_dir, tmp_path):
+    """Stock TRL 1.16 `GRPOTrainer`, the same turns at TP 2 (docs/tool_turns.md): see the assertion for what it does."""
+    output = _tool_turns(tmp_path, tool_model_dir, bind="0|1", engine="colocate", vllm_tensor_parallel_size=2,
+                         trainer="stock", expect_failure=True)
+    assert "collective mismatch" in output or "imed out" in output, output[-3000:]
+
+
+def test_server_mode_two_processes_rank_divergent_tool_turns_r3(vllm_tool_server, tmp_path):
+    """Two training processes on one `trl-gspo vllm-serve`: lockstep turns, the main process sends every rank's
+    prompts and hands each rank back its completions and routes by the counts it sent."""
+    from test_tool_turns import assert_divergent_and_own
+
+    url, model_dir = vllm_tool_server
+    result = _tool_turns(tmp_path, model_dir, engine="server", server=url, reference=True, loss_type="gspo",
+                         routing_replay="sampler", learning_rate=0.0, routing_replay_min_agreement=0.0)
+    assert_divergent_and_own(result)
+    _replayed_the_engine_routes(result)
+
+
+def test_stock_trl_tool_turns_in_server_mode(vllm_tool_server, tmp_path):
+    """Stock TRL 1.16 `GRPOTrainer`, two processes on the same server (docs/tool_turns.md)."""
+    url, model_dir = vllm_tool_server
+    output = _tool_turns(tmp_path, model_dir, engine="server", server=url, trainer="stock", learning_rate=0.0,
+                         expect_failure=True)
+    assert "collective mismatch" in output or "imed out" in output, output[-3000:]

@@ -2,7 +2,7 @@
 
 TRL 1.16's `_tool_call_loop` runs on each rank with that rank's tool-calling samples only, and each tool turn calls
 `_generate_single_turn` with them. Where generating is a collective, that breaks in two ways (read in TRL 1.16,
-measured in tests/test_tool_turns_multiprocess.py):
+measured in tests/test_tool_turns.py):
 
     vLLM server mode, > 1 process    TRL gathers every rank's prompts, the main process generates them all, and each
                                      rank keeps `process_index * len(prompts)` onwards of the results: with unequal

@@ -194,6 +194,77 @@ def keep_server_outputs(trainer, outputs):
     generation.generate = generating
 
 
+def install_reference(trainer, args, checks, server=False):
+    """R3 reference (module docstring): every policy pass of `trainer` is scored again on a fresh copy of the model
+    with the routes laid out by hand from the engine's raw outputs of the round, and with natural routing; the
+    differences go into `checks`. Server mode: every rank gets the main process's answers after each generate call."""
+    from trl_gspo.routing import RoutingReplay
+    from trl_gspo.routing.rollout import no_route
+
+    outputs = []  # the raw RequestOutputs of the current round (server mode: every rank gets the main's)
+    if server:
+        keep_server_outputs(trainer, outputs)
+    else:
+        llm = trainer.vllm_generation.llm
+        generate = llm.generate
+
+        def keeping(*a, **k):
+            result = generate(*a, **k)
+            outputs.extend(result)
+            return result
+
+        llm.generate = keeping
+    original_round = trainer._generate_and_score_completions
+
+    def round_(inputs):
+        outputs.clear()
+        return original_round(inputs)
+
+    trainer._generate_and_score_completions = round_
+    original_pass = trainer._get_per_token_logps_and_entropies
+    sentinel = no_route(torch.uint8)
+
+    def checked_pass(model_, input_ids, attention_mask, logits_to_keep, *a, **k):
+        result = original_pass(model_, input_ids, attention_mask, logits_to_keep, *a, **k)
+        unwrap = trainer.accelerator.unwrap_model
+        if unwrap(model_) is not unwrap(trainer.model):  # the reference model (training passes get DDP's wrapper)
+            return result
+        prompt_width = input_ids.shape[1] - logits_to_keep
+        prompt_ids, completion_ids = input_ids[:, :prompt_width], input_ids[:, prompt_width:]
+        prompt_mask, completion_mask = attention_mask[:, :prompt_width], attention_mask[:, prompt_width:]
+        candidates = lay_out(outputs, prompt_ids, prompt_mask, completion_ids, completion_mask, sentinel)
+        base = trainer.accelerator.unwrap_model(trainer.model)
+        copy_ = type(base)(base.config).eval()  # a fresh model, not a deepcopy: that would copy the trainer's hooks
+        copy_.load_state_dict(base.state_dict())
+        replay = RoutingReplay(copy_)
+        logps = result[0].detach()
+
+        def score(routes=None):
+            with torch.no_grad():
+                if routes is None:
+                    logits = copy_(input_ids=input_ids, attention_mask=attention_mask).logits
+                else:
+                    force = (routes != sentinel).any(-1).all(-1) & attention_mask.bool()
+                    with replay.replay(routes.to(torch.uint8), mask=force):
+                        logits = copy_(input_ids=input_ids, attention_mask=attention_mask).logits
+            logits = logits[:, prompt_width - 1:-1].float() / args.temperature
+            return logits.log_softmax(-1).gather(-1, completion_ids[..., None])[..., 0]
+
+        mask = completion_mask.bool()
+        best = torch.full(logps.shape, float("inf"))
+        for i in range(max(len(c) for c in candidates)):  # rows are independent: try each row's i-th candidate
+            routes = torch.stack([c[min(i, len(c) - 1)] for c in candidates])
+            best = torch.minimum(best, (score(routes) - logps).abs())
+        checks["passes"] += 1
+        checks["training_passes"] += int(trainer.model.training and torch.is_grad_enabled())
+        checks["max_forced_diff"] = max(checks["max_forced_diff"], best[mask].max().item())
+        checks["max_natural_diff"] = max(checks["max_natural_diff"],
+                                         (score() - logps).abs()[mask].max().item())
+        return result
+
+    trainer._get_per_token_logps_and_entropies = checked_pass
+
+
 def main():
     out_dir = Path(sys.argv[1])
     options = json.loads(sys.argv[2])
@@ -215,8 +286,6 @@ def main():
     from transformers.utils import logging as hf_logging
 
     from trl_gspo import GSPOTrainer
-    from trl_gspo.routing import RoutingReplay
-    from trl_gspo.routing.rollout import no_route
 
     warnings = Warnings()
     hf_logging.get_logger("trl_gspo").addHandler(warnings)
@@ -270,68 +339,7 @@ def main():
 
     trainer.model.register_forward_pre_hook(count_scoring)
     if reference:
-        outputs = []  # the raw RequestOutputs of the current round (server mode: every rank gets the main's)
-        if server:
-            keep_server_outputs(trainer, outputs)
-        else:
-            llm = trainer.vllm_generation.llm
-            generate = llm.generate
-
-            def keeping(*a, **k):
-                result = generate(*a, **k)
-                outputs.extend(result)
-                return result
-
-            llm.generate = keeping
-        original_round = trainer._generate_and_score_completions
-
-        def round_(inputs):
-            outputs.clear()
-            return original_round(inputs)
-
-        trainer._generate_and_score_completions = round_
-        original_pass = trainer._get_per_token_logps_and_entropies
-        sentinel = no_route(torch.uint8)
-
-        def checked_pass(model_, input_ids, attention_mask, logits_to_keep, *a, **k):
-            result = original_pass(model_, input_ids, attention_mask, logits_to_keep, *a, **k)
-            unwrap = trainer.accelerator.unwrap_model
-            if unwrap(model_) is not unwrap(trainer.model):  # the reference model (training passes get DDP's wrapper)
-                return result
-            prompt_width = input_ids.shape[1] - logits_to_keep
-            prompt_ids, completion_ids = input_ids[:, :prompt_width], input_ids[:, prompt_width:]
-            prompt_mask, completion_mask = attention_mask[:, :prompt_width], attention_mask[:, prompt_width:]
-            candidates = lay_out(outputs, prompt_ids, prompt_mask, completion_ids, completion_mask, sentinel)
-            base = trainer.accelerator.unwrap_model(trainer.model)
-            copy_ = type(base)(base.config).eval()  # a fresh model, not a deepcopy: that would copy the trainer's hooks
-            copy_.load_state_dict(base.state_dict())
-            replay = RoutingReplay(copy_)
-            logps = result[0].detach()
-
-            def score(routes=None):
-                with torch.no_grad():
-                    if routes is None:
-                        logits = copy_(input_ids=input_ids, attention_mask=attention_mask).logits
-                    else:
-                        force = (routes != sentinel).any(-1).all(-1) & attention_mask.bool()
-                        with replay.replay(routes.to(torch.uint8), mask=force):
-                            logits = copy_(input_ids=input_ids, attention_mask=attention_mask).logits
-                logits = logits[:, prompt_width - 1:-1].float() / args.temperature
-                return logits.log_softmax(-1).gather(-1, completion_ids[..., None])[..., 0]
-
-            mask = completion_mask.bool()
-            best = torch.full(logps.shape, float("inf"))
-            for i in range(max(len(c) for c in candidates)):  # rows are independent: try each row's i-th candidate
-                routes = torch.stack([c[min(i, len(c) - 1)] for c in candidates])
-                best = torch.minimum(best, (score(routes) - logps).abs())
-            checks["passes"] += 1
-            checks["training_passes"] += int(trainer.model.training and torch.is_grad_enabled())
-            checks["max_forced_diff"] = max(checks["max_forced_diff"], best[mask].max().item())
-            checks["max_natural_diff"] = max(checks["max_natural_diff"],
-                                             (score() - logps).abs()[mask].max().item())
-            return result
-
-        trainer._get_per_token_logps_and_entropies = checked_pass
+        install_reference(trainer, args, checks, server)
 
     trainer.train(resume_from_checkpoint="latest" if resume else None)
     base = trainer.accelerator.unwrap_model(trainer.model)
