@@ -82,8 +82,9 @@ def test_tool_names_resolve_from_the_registry_and_dotted_paths(tmp_path):
     from trl_gspo.cli import parse_recipe
     from trl_gspo.tool_registry import resolve_tools
 
-    script, *_ = parse_recipe([_recipe(tmp_path, extra="environment_factory: CalculatorEnv\n")])
-    assert resolve_tools(script) == {"tools": [add], "environment_factory": CalculatorEnv}
+    script, *_ = parse_recipe([_recipe(tmp_path, replace=[("tools: [add]\n", "")],
+                                       extra="environment_factory: CalculatorEnv\n")])
+    assert resolve_tools(script) == {"environment_factory": CalculatorEnv}
     script.tools, script.environment_factory = ["trl_gspo.quickstart.tools.add"], None
     assert resolve_tools(script) == {"tools": [add]}
     script.tools = None
@@ -101,6 +102,82 @@ def test_tool_names_resolve_from_the_registry_and_dotted_paths(tmp_path):
 ])
 def test_unknown_or_unimportable_tools_are_refused(tmp_path, capsys, no_model, replace, extra, needles):
     _refused(capsys, [_recipe(tmp_path, replace=replace, extra=extra)], *needles)
+
+
+@pytest.mark.parametrize("replace,extra,needles", [
+    ([], "environment_factory: CalculatorEnv\n",
+     ["`tools` entry 'add' and `environment_factory: CalculatorEnv` (its method add)",
+      "the environment's method would silently shadow `tools` entry 'add'"]),
+    ([("[add]", "[add, trl_gspo.quickstart.tools.add]")], "",
+     ["`tools` entry 'add' and `tools` entry 'trl_gspo.quickstart.tools.add'", "the later `tools` entry"]),
+])
+def test_a_tool_name_given_twice_is_refused(tmp_path, capsys, no_model, replace, extra, needles):
+    """TRL 1.16 calls tools through a dict keyed by function name (`_sync_tool_dicts`: `tools` first, then the
+    environment's methods), so one of two tools named alike would never be called; refused before any model loads."""
+    err = _refused(capsys, [_recipe(tmp_path, replace=replace, extra=extra)], "two tools are named 'add'",
+                   "TRL 1.16 calls tools by name", *needles)
+    assert "remove 'add' from `tools`, or rename one of the functions" in err
+
+
+def _budget_warning(capsys, recipe, *argv) -> str:
+    """The `trl-gspo: warning:` lines of a dry run that passes."""
+    assert main([recipe, *argv, "--dry_run", "true"]) == 0
+    return "\n".join(line for line in capsys.readouterr().err.splitlines() if line.startswith("trl-gspo: warning:"))
+
+
+def test_a_max_completion_length_that_drops_a_failed_calls_result_warns_with_the_figures(tmp_path, capsys,
+                                                                                         no_model):
+    """TRL's tool loop drops a tool result when call + result exceed max_completion_length. With the built-in tool
+    tokenizer a sample call of `add` is 45 tokens and a failed call's result 35 (<|tool|>, {'error': 'Tool add not
+    found.'}, a newline, <|assistant|>): 80 keeps it, 79 would drop it. The shipped recipe (96) does not warn."""
+    assert _budget_warning(capsys, str(RECIPE)) == ""
+    assert _budget_warning(capsys, str(RECIPE), "--max_completion_length", "80") == ""
+    warning = _budget_warning(capsys, str(RECIPE), "--max_completion_length", "79")
+    assert warning.startswith("trl-gspo: warning: `max_completion_length` 79 leaves 34 tokens for a tool result "
+                              "after a sample call"), warning
+    assert "(45 tokens)" in warning and "is about 35 tokens with the recipe's tokenizer and chat template" in warning
+    assert "Fix: raise max_completion_length to at least 80" in warning
+    short = _budget_warning(capsys, str(RECIPE), "--max_completion_length", "40")
+    assert "is shorter than a sample call" in short and "at least 80" in short
+
+
+def test_the_measured_error_result_is_what_trls_tool_loop_appends():
+    """The warning's figure for a failed call's result equals the suffix TRL's `_get_tool_suffix_ids` builds for it
+    (called on a stand-in trainer), so a TRL release that renders tool results differently fails here."""
+    from types import SimpleNamespace
+
+    from trl import GRPOTrainer
+
+    from trl_gspo.quickstart.tools import build_tool_tokenizer
+    from trl_gspo.tool_registry import SAMPLE_ERROR, _measure
+
+    tokenizer = build_tool_tokenizer()
+    error = {"role": "tool", "name": "add", "content": str({"error": SAMPLE_ERROR.format(name="add")})}
+    call = {"role": "assistant", "content": "",
+            "tool_calls": [{"type": "function", "function": {"name": "add", "arguments": {"a": 12, "b": 34}}}]}
+    call_tokens, result_tokens = _measure(tokenizer, call, error, {})
+    trainer = SimpleNamespace(processing_class=tokenizer, _tokenizer=tokenizer, chat_template=None,
+                              chat_template_kwargs={}, _is_vlm=False)
+    assert result_tokens == len(GRPOTrainer._get_tool_suffix_ids(trainer, [error])) == 35
+    # The call turn as the model generates it: the tool-call tokens through <eos>.
+    assert call_tokens == len(tokenizer('<tool_call>{"name":"add","arguments":{"a":12,"b":34}}</tool_call><eos>')
+                              ["input_ids"]) == 45
+
+
+def test_without_a_tokenizer_on_disk_the_figure_is_a_rough_estimate(tmp_path):
+    from trl import ModelConfig
+
+    from trl_gspo import GSPOConfig
+    from trl_gspo.recipe import GSPOScriptArguments
+    from trl_gspo.tool_registry import tool_budget_warning
+
+    script = GSPOScriptArguments(tools=["add"])
+    model = ModelConfig(model_name_or_path="no-such-org/no-such-model")  # not cached: nothing is downloaded
+    short = GSPOConfig(output_dir=str(tmp_path), max_completion_length=20, use_cpu=True, report_to="none")
+    warning = tool_budget_warning(script, short, model, {"tools": [add]})
+    assert "by a rough estimate (no tokenizer on this disk" in warning and "Fix: raise max_completion_length" in warning
+    roomy = GSPOConfig(output_dir=str(tmp_path), max_completion_length=512, use_cpu=True, report_to="none")
+    assert tool_budget_warning(script, roomy, model, {"tools": [add]}) is None
 
 
 def test_failed_tool_credit_needs_gspo_token(tmp_path, capsys, no_model):
@@ -236,3 +313,4 @@ def test_the_tools_recipe_runs_through_trl_gspo(tmp_path):
     assert len(logs) == 2 and state["global_step"] == 8  # two rollout batches of 4 mini-batches
     assert any(h.get("routing/sampler_agreement") is not None for h in state["log_history"])  # R3 was on
     assert (out / "model.safetensors").is_file() and (out / "initial_model" / "cold_start.json").is_file()
+

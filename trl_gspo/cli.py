@@ -17,7 +17,7 @@ from .checkpoints import check_resume_before_launch
 from .recipe import (GSPOScriptArguments, RecipeError, check_launch, check_recipe, describe,  # noqa: F401
                      launch_options, make_parser, parse_recipe)
 from .rewards import resolve_rewards
-from .tool_registry import resolve_tools
+from .tool_registry import resolve_tools, tool_budget_warning
 
 USAGE = """usage: trl-gspo RECIPE.yaml [--key value ...] [accelerate launch options]
        trl-gspo --config RECIPE.yaml [--key value ...]
@@ -74,13 +74,16 @@ def main(argv: list[str] | None = None) -> int:
             note = "(no GPU here: validated with use_cpu=true, bf16=false; the recipe itself asks for bf16)\n"
         check_recipe(script_args, training_args, model_args, dataset_args, launch_args)
         resolve_rewards(script_args)  # unknown names or a missing verifier fail here, before any process starts
-        resolve_tools(script_args)  # unknown tool / environment names too
+        tools = resolve_tools(script_args)  # unknown tool / environment names, and a name given twice, too
+        warning = tool_budget_warning(script_args, training_args, model_args, tools)
         note += "".join(f"{line}\n" for line in check_launch(script_args, training_args, launch_args,
                                                              dry_run=script_args.dry_run))
         check_resume_before_launch(training_args.resume_from_checkpoint, training_args.output_dir)
     except (RecipeError, ValueError, TypeError) as err:
         print(f"trl-gspo: error: {err}", file=sys.stderr)
         return 2
+    if warning:
+        print(f"trl-gspo: warning: {warning}", file=sys.stderr)
     if script_args.dry_run:
         print(note, end="")
         print(describe(script_args, training_args, model_args, dataset_args, launch_args))
