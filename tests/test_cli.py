@@ -145,16 +145,100 @@ def test_reward_problems_fail_before_launch(tmp_path, capsys, monkeypatch, rewar
     assert needle in capsys.readouterr().err
 
 
+@pytest.fixture
+def launches(monkeypatch):
+    """The commands `trl-gspo` would run (the cold-start process, the accelerate launch) with their environments,
+    instead of running them; each "succeeds"."""
+    commands = []
+    monkeypatch.setattr("trl_gspo.launching.run_forwarding_signals",
+                        lambda cmd, env=None, **kw: commands.append((cmd, env)) or 0)
+    return commands
+
+
 @pytest.mark.parametrize("launcher", [["--accelerate_config", str(ROOT / "recipes/accelerate/cpu_zero3.yaml")],
                                       ["--use_deepspeed"]])
-def test_builtin_cold_start_under_deepspeed_fails_before_launch(tmp_path, capsys, monkeypatch, launcher):
-    import accelerate.commands.launch
+def test_builtin_cold_start_under_deepspeed_runs_in_one_process_before_the_launch(tmp_path, capsys, launches,
+                                                                                  launcher):
+    """DeepSpeed processes cannot run the SFT (one DeepSpeed Accelerator per process): `trl-gspo` runs it first in
+    one plain process (`python -m trl_gspo.train cold-start`, no accelerate), then launches the DeepSpeed processes
+    from its output with sft_steps 0, and tells their end-of-run report so."""
+    recipe = _recipe(tmp_path, BASE.format(out=tmp_path / "o") + "sft_steps: 5\n")
+    assert main(["--config", recipe, *launcher, "--dry_run", "true"]) == 0 and launches == []
+    assert "runs in one process before the DeepSpeed launch" in capsys.readouterr().out
+    assert main(["--config", recipe, *launcher]) == 0
+    (cold_start, _), (launch, env) = launches
+    assert cold_start[1:4] == ["-m", "trl_gspo.train", "cold-start"]  # a plain process: no accelerate launch
+    assert cold_start[4:] == ["--config", recipe, *launcher]
+    initial = str(tmp_path / "o" / "initial_model")
+    assert launch[-4:] == ["--model_name_or_path", initial, "--sft_steps", "0"]  # last: they win over the recipe
+    assert "accelerate.commands.launch" in launch and "trl_gspo.train" in launch
+    assert env["TRL_GSPO_COLD_START_BEFORE_LAUNCH"] == f"cold start: ran before the DeepSpeed launch, in one process " \
+                                                      f"(sft_steps 5): {initial}"
+    out = capsys.readouterr().out
+    assert f"[trl-gspo] cold start ran before the DeepSpeed launch: {initial}" in out
+    assert "the DeepSpeed processes start from it with sft_steps 0: " in out and initial in out
 
-    monkeypatch.setattr(accelerate.commands.launch, "launch_command", lambda args: pytest.fail("launched"))
-    monkeypatch.setattr("trl_gspo.launching.run_forwarding_signals", lambda cmd, **kw: pytest.fail("launched"))
-    recipe = BASE.format(out=tmp_path / "o") + "sft_steps: 5\n"
-    assert main(["--config", _recipe(tmp_path, recipe), *launcher]) == 2
-    assert "`sft_steps` (the built-in SFT cold start) cannot run under DeepSpeed" in capsys.readouterr().err
+
+def test_builtin_cold_start_before_deepspeed_is_reused_when_its_inputs_match(tmp_path, capsys, launches):
+    """A second run with the same output_dir (a resume) finds the cold start's mark with the same inputs and
+    launches without running it again; other inputs (here sft_steps) run it again."""
+    from types import SimpleNamespace
+
+    from trl_gspo.quickstart import reuse
+
+    out = tmp_path / "o"
+    recipe = _recipe(tmp_path, BASE.format(out=out) + "sft_steps: 5\nseed: 3\n")
+    path = out / "initial_model"
+    path.mkdir(parents=True)
+    (path / "model.safetensors").write_bytes(b"weights")
+    inputs = reuse.cold_start_inputs("tiny-qwen3-moe", SimpleNamespace(sft_steps=5, sft_learning_rate=3e-3,
+                                                                       sft_correct_fraction=0.5), 3, 1)
+    reuse.write_mark(str(path), inputs)  # what the one-process cold start leaves
+    deepspeed = ["--accelerate_config", str(ROOT / "recipes/accelerate/cpu_zero3.yaml")]
+    assert main(["--config", recipe, *deepspeed]) == 0
+    ((launch, env),) = launches  # no cold-start process
+    assert launch[-4:] == ["--model_name_or_path", str(path), "--sft_steps", "0"]
+    assert env["TRL_GSPO_COLD_START_BEFORE_LAUNCH"].startswith("cold start: reused before the DeepSpeed launch")
+    assert "[trl-gspo] cold start reused before the DeepSpeed launch" in capsys.readouterr().out
+    launches.clear()
+    assert main(["--config", recipe, *deepspeed, "--sft_steps", "6"]) == 0
+    assert [cmd[3] for cmd, _ in launches] == ["cold-start", "--config_file"]
+
+
+def test_builtin_cold_start_on_several_deepspeed_nodes_is_refused_before_launch(tmp_path, capsys, launches):
+    """Every node runs the command: each would cold-start into the shared output_dir."""
+    recipe = _recipe(tmp_path, BASE.format(out=tmp_path / "o") + "sft_steps: 5\n")
+    assert main(["--config", recipe, "--accelerate_config", str(ROOT / "recipes/accelerate/cpu_zero3.yaml"),
+                 "--num_machines", "2", "--num_processes", "2", "--machine_rank", "0", "--main_process_ip",
+                 "127.0.0.1"]) == 2
+    err = capsys.readouterr().err
+    assert "`sft_steps` with DeepSpeed on several nodes" in err and "python -m trl_gspo.train cold-start" in err
+    assert launches == [] and not (tmp_path / "o").exists()
+
+
+def test_sft_steps_with_a_model_that_is_not_builtin_is_refused_under_deepspeed(tmp_path, capsys, launches):
+    recipe = _recipe(tmp_path, BASE.format(out=tmp_path / "o").replace("builtin:tiny-qwen3-moe", str(tmp_path))
+                     + "sft_steps: 5\n")
+    assert main(["--config", recipe, "--accelerate_config", str(ROOT / "recipes/accelerate/cpu_zero3.yaml")]) == 2
+    err = capsys.readouterr().err
+    assert "`sft_steps` 5 cold-starts a `builtin:` model" in err and "Fix: set sft_steps: 0" in err
+    assert launches == []
+
+
+def test_a_deepspeed_process_launched_by_hand_refuses_the_cold_start(tmp_path, monkeypatch):
+    """`accelerate launch` with DeepSpeed and `-m trl_gspo.train` by hand: the process cannot run the SFT, and says
+    which command can."""
+    from trl import ModelConfig
+
+    from trl_gspo import GSPOConfig
+    from trl_gspo.recipe import GSPOScriptArguments, RecipeError
+    from trl_gspo.train import _prepare_builtin_model
+
+    monkeypatch.setenv("ACCELERATE_USE_DEEPSPEED", "true")
+    script = GSPOScriptArguments(dataset_name="builtin:addition", reward_funcs=["digit_match_reward"], sft_steps=5)
+    training = GSPOConfig(output_dir=str(tmp_path / "o"), use_cpu=True, bf16=False, report_to="none")
+    with pytest.raises(RecipeError, match="cannot run inside a DeepSpeed launch.*launch with `trl-gspo`"):
+        _prepare_builtin_model(script, training, ModelConfig(model_name_or_path="builtin:tiny-qwen3"))
     assert not (tmp_path / "o").exists()
 
 

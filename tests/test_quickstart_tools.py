@@ -314,3 +314,38 @@ def test_the_tools_recipe_runs_through_trl_gspo(tmp_path):
     assert any(h.get("routing/sampler_agreement") is not None for h in state["log_history"])  # R3 was on
     assert (out / "model.safetensors").is_file() and (out / "initial_model" / "cold_start.json").is_file()
 
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_the_tools_recipe_runs_under_deepspeed_in_one_command(tmp_path):
+    """`trl-gspo --config recipes/quickstart_tools.yaml` under ZeRO-3 on two processes, one command: the cold start
+    runs once, in one plain process before the launch (its mark records one process), the DeepSpeed processes start
+    from `initial_model` with sft_steps 0 and train, and the report says so. Shortened (20 cold-start steps, 2 RL
+    steps, R3 off: R3 under ZeRO-3 in tool turns is separate work); about 50-90 s on 2 cores."""
+    import socket
+
+    out = tmp_path / "tools"
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    result = subprocess.run(
+        [sys.executable, "-m", "trl_gspo.cli", "--config", str(RECIPE), "--accelerate_config",
+         str(ROOT / "recipes/accelerate/cpu_zero3.yaml"), "--num_processes", "2", "--ddp_backend", "gloo",
+         "--main_process_port", str(port), "--routing_replay", "none", "--output_dir", str(out), "--sft_steps", "20",
+         "--max_steps", "2", "--per_device_train_batch_size", "4", "--num_generations", "4",
+         "--steps_per_generation", "2", "--logging_steps", "1", "--plot", "false"],
+        capture_output=True, text=True, env=cpu_env(OMP_NUM_THREADS="1"), timeout=300,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    initial = out / "initial_model"
+    assert result.stdout.count("[trl-gspo] supervised cold start: 20 steps") == 1  # SFT ran once
+    mark = json.loads((initial / "cold_start.json").read_text())
+    assert mark["inputs"]["num_processes"] == 1 and mark["inputs"]["sft_steps"] == 20  # ... in one process
+    assert f"[trl-gspo] cold start ran before the DeepSpeed launch: {initial}" in result.stdout
+    assert f"--model_name_or_path {initial} --sft_steps 0" in result.stdout  # the printed launch command
+    assert result.stdout.count("trl-gspo run summary (gspo_token)") == 1
+    assert (f"cold start: ran before the DeepSpeed launch, in one process (sft_steps 20): {initial}"
+            in result.stdout)  # the end-of-run report
+    state = json.loads((out / "trainer_state.json").read_text())
+    assert state["global_step"] == 2 and any("tools/call_frequency" in h for h in state["log_history"])
+    assert (out / "model.safetensors").is_file()

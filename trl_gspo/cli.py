@@ -5,17 +5,22 @@
 
 Recipe keys are described in `trl_gspo.recipe`. The command validates the recipe, then runs
 `accelerate launch -m trl_gspo.train <same arguments>`; running `accelerate launch [options] -m trl_gspo.train
---config recipe.yaml` yourself is equivalent.
+--config recipe.yaml` yourself is equivalent, except under DeepSpeed with a built-in model's `sft_steps`: there the
+command first runs the cold start in one plain process (`python -m trl_gspo.train cold-start <same arguments>`) and
+launches the DeepSpeed processes from its `<output_dir>/initial_model` with `sft_steps 0`.
 """
 
 from __future__ import annotations
 
+import os
+import shlex
 import sys
 
 from . import launching, multinode
 from .checkpoints import check_resume_before_launch
-from .recipe import (GSPOScriptArguments, RecipeError, check_launch, check_recipe, describe,  # noqa: F401
-                     launch_options, make_parser, parse_recipe)
+from .recipe import (BUILTIN_PREFIX, COLD_START_NOTE_ENV, GSPOScriptArguments, RecipeError,  # noqa: F401
+                     check_launch, check_recipe, cold_start_before_launch, describe, launch_options, make_parser,
+                     parse_recipe)
 from .rewards import resolve_rewards
 from .tool_registry import resolve_tools, tool_budget_warning
 
@@ -42,6 +47,30 @@ def _without(argv: list[str], tokens: list[str]) -> list[str]:
         else:
             result.append(token)
     return result
+
+
+def _cold_start_before_launch(argv: list[str], script_args, training_args, model_args) -> tuple[int, str, str]:
+    """Prepare the built-in model in one plain process before a DeepSpeed launch (its processes cannot run the SFT:
+    accelerate allows one DeepSpeed Accelerator per process), or reuse the one a run with the same inputs left.
+    Returns `(exit code, path, a line for the end-of-run report)`."""
+    from .quickstart import reuse
+
+    path = os.path.join(training_args.output_dir, "initial_model")
+    # One process: the same inputs the cold-start process records (its SFT batch is not split over processes).
+    inputs = reuse.cold_start_inputs(model_args.model_name_or_path[len(BUILTIN_PREFIX):], script_args,
+                                     training_args.seed, 1)
+    if reuse.reusable(path, inputs):
+        print(f"[trl-gspo] cold start reused before the DeepSpeed launch (same inputs, {reuse.MARK}): {path}",
+              flush=True)
+        return 0, path, f"cold start: reused before the DeepSpeed launch (same inputs, {reuse.MARK}): {path}"
+    print(f"[trl-gspo] cold start (sft_steps {script_args.sft_steps}) runs in one process before the DeepSpeed "
+          "launch", flush=True)
+    returncode = launching.run_forwarding_signals([sys.executable, "-m", TRAINING_MODULE, "cold-start", *argv])
+    if returncode:
+        return returncode, path, ""
+    print(f"[trl-gspo] cold start ran before the DeepSpeed launch: {path}", flush=True)
+    return 0, path, (f"cold start: ran before the DeepSpeed launch, in one process (sft_steps "
+                     f"{script_args.sft_steps}): {path}")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -76,7 +105,7 @@ def main(argv: list[str] | None = None) -> int:
         resolve_rewards(script_args)  # unknown names or a missing verifier fail here, before any process starts
         tools = resolve_tools(script_args)  # unknown tool / environment names, and a name given twice, too
         warning = tool_budget_warning(script_args, training_args, model_args, tools)
-        note += "".join(f"{line}\n" for line in check_launch(script_args, training_args, launch_args,
+        note += "".join(f"{line}\n" for line in check_launch(script_args, training_args, model_args, launch_args,
                                                              dry_run=script_args.dry_run))
         check_resume_before_launch(training_args.resume_from_checkpoint, training_args.output_dir)
     except (RecipeError, ValueError, TypeError) as err:
@@ -90,13 +119,24 @@ def main(argv: list[str] | None = None) -> int:
         print("trl-gspo: recipe is valid (dry run, nothing trained).")
         return 0
 
-    accelerate_tokens = launch_args + ["--module", TRAINING_MODULE] + _without(argv, cli_launch_tokens)
+    overrides, environment = [], None
+    if cold_start_before_launch(script_args, model_args, launch_args):
+        returncode, path, report = _cold_start_before_launch(argv, script_args, training_args, model_args)
+        if returncode:
+            return returncode
+        # Last on the command line, so they override the recipe's and the command line's own values.
+        overrides = ["--model_name_or_path", path, "--sft_steps", "0"]
+        environment = {**os.environ, COLD_START_NOTE_ENV: report}
+    accelerate_tokens = launch_args + ["--module", TRAINING_MODULE] + _without(argv, cli_launch_tokens) + overrides
+    command = launching.accelerate_launch_command(accelerate_tokens)
+    if overrides:
+        print(f"[trl-gspo] the DeepSpeed processes start from it with sft_steps 0: {shlex.join(command)}", flush=True)
     options = launch_options(launch_args)
     note = multinode.join_note(*options)
     if note:
         print(note, flush=True)
     # A child process group: SIGINT/SIGTERM to trl-gspo stop every training process too (trl_gspo/launching.py).
-    returncode = launching.run_forwarding_signals(launching.accelerate_launch_command(accelerate_tokens))
+    returncode = launching.run_forwarding_signals(command, env=environment)
     if 0 < returncode < 128 and multinode.failure_hint(*options):  # a failure, not a stop by a signal
         print(multinode.failure_hint(*options), file=sys.stderr)
     return returncode

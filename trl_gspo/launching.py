@@ -27,14 +27,15 @@ def accelerate_launch_command(accelerate_tokens: list[str]) -> list[str]:
     return [sys.executable, "-m", "accelerate.commands.launch", *accelerate_tokens]
 
 
-def run_forwarding_signals(cmd: list[str], grace_seconds: float = GRACE_SECONDS) -> int:
+def run_forwarding_signals(cmd: list[str], grace_seconds: float = GRACE_SECONDS, env: dict | None = None) -> int:
     """Run `cmd` in a new process group; forward SIGINT/SIGTERM to the group and wait for all of it to end.
 
     Returns the command's exit code; `128 + signal` when it (or this process) was stopped by a signal, as a shell
     reports it. When a forwarded signal does not stop every process of the tree within `grace_seconds`, the rest
-    are sent SIGKILL. Every process of the tree has ended when this returns.
+    are sent SIGKILL. Every process of the tree has ended when this returns. `env`: the child's environment (this
+    process's by default).
     """
-    child = subprocess.Popen(cmd, start_new_session=True)  # its own session, so its own process group
+    child = subprocess.Popen(cmd, start_new_session=True, env=env)  # its own session, so its own process group
     received: list[int] = []
     known: dict[int, psutil.Process] = {}
 

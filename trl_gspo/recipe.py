@@ -25,11 +25,14 @@ BUILTIN_TASK_MODELS = {"addition": ("tiny-qwen3-moe", "tiny-qwen3"), "tool_addit
 # Built-in datasets whose prompts are conversations (lists of messages), which TRL's tool loop needs.
 CONVERSATIONAL_BUILTIN_DATASETS = ("tool_addition",)
 SFT_UNDER_DEEPSPEED = (
-    "`sft_steps` (the built-in SFT cold start) cannot run under DeepSpeed: accelerate allows one DeepSpeed "
-    "Accelerator per process, and the GSPO trainer needs it. Fix: cold-start once with one process or DDP "
-    "(e.g. recipes/accelerate/cpu_ddp.yaml), then launch DeepSpeed with `model_name_or_path: "
-    "<that output_dir>/initial_model` and `sft_steps: 0`."
+    "`sft_steps` (the built-in SFT cold start) cannot run inside a DeepSpeed launch: accelerate allows one DeepSpeed "
+    "Accelerator per process, and the GSPO trainer needs it. Fix: launch with `trl-gspo` and an accelerate_config "
+    "that selects DeepSpeed (it runs the cold start in one process before the launch, then starts the DeepSpeed "
+    "processes from it), or cold-start once with one process or DDP (e.g. recipes/accelerate/cpu_ddp.yaml), then "
+    "launch DeepSpeed with `model_name_or_path: <that output_dir>/initial_model` and `sft_steps: 0`."
 )
+# Where the cold start run before a DeepSpeed launch tells the launched processes what it did, for their report.
+COLD_START_NOTE_ENV = "TRL_GSPO_COLD_START_BEFORE_LAUNCH"
 
 
 class RecipeError(ValueError):
@@ -350,7 +353,20 @@ def launched_processes(launch_args: list[str]) -> int:
     return int(options.num_processes or config.get("num_processes") or 1)
 
 
-def check_launch(script_args, training_args, launch_args: list[str], dry_run: bool = False) -> list[str]:
+def launched_machines(launch_args: list[str]) -> int:
+    """How many machines (nodes) the launch options span."""
+    options, config = launch_options(launch_args)
+    return int(options.num_machines or config.get("num_machines") or 1)
+
+
+def cold_start_before_launch(script_args, model_args, launch_args: list[str]) -> bool:
+    """Whether `trl-gspo` runs the built-in SFT cold start in one process before launching: a DeepSpeed launch (whose
+    processes cannot run a second, SFT, DeepSpeed Accelerator) of a `builtin:` model with `sft_steps > 0`."""
+    return (script_args.sft_steps > 0 and (model_args.model_name_or_path or "").startswith(BUILTIN_PREFIX)
+            and launcher_type(launch_args) == "DEEPSPEED")
+
+
+def check_launch(script_args, training_args, model_args, launch_args: list[str], dry_run: bool = False) -> list[str]:
     """Refuse (`RecipeError`) a launcher the recipe cannot run on; returns notes for a dry run.
 
     A dry run validates a GPU recipe on a machine without one, so what only the launch machine can decide (is there
@@ -371,7 +387,22 @@ def check_launch(script_args, training_args, launch_args: list[str], dry_run: bo
             "recipes/accelerate/cpu_ddp.yaml` on CPU, `num_processes: 8` on a GPU node)."
         )
     if distributed_type == "DEEPSPEED" and script_args.sft_steps > 0:
-        raise RecipeError(SFT_UNDER_DEEPSPEED)
+        if not cold_start_before_launch(script_args, model_args, launch_args):  # not a built-in model
+            raise RecipeError(
+                f"`sft_steps` {script_args.sft_steps} cold-starts a `builtin:` model, and model_name_or_path is "
+                f"{model_args.model_name_or_path!r} (a DeepSpeed process could not run an SFT stage either). Fix: set "
+                "sft_steps: 0, or cold-start your model with `trl sft` first.")
+        if launched_machines(launch_args) > 1:  # every node's command would cold-start into the shared output_dir
+            raise RecipeError(
+                "`sft_steps` with DeepSpeed on several nodes: `trl-gspo` runs the built-in cold start in one process "
+                "before a DeepSpeed launch, and each node's command would run its own into the shared output_dir. "
+                "Fix: cold-start once, on one node: `python -m trl_gspo.train cold-start --config RECIPE` (what "
+                "trl-gspo runs before a one-node launch; it writes <output_dir>/initial_model), then launch every node "
+                "with `--model_name_or_path <output_dir>/initial_model --sft_steps 0`.")
+        notes.append(f"(the built-in cold start, sft_steps {script_args.sft_steps}, runs in one process before the "
+                     "DeepSpeed launch, into "
+                     f"{os.path.join(training_args.output_dir, 'initial_model')}; the DeepSpeed processes start from "
+                     "it with sft_steps 0)")
     if distributed_type == "FSDP":
         if training_args.use_cpu and has_accelerator():
             raise RecipeError(FSDP_WITHOUT_ACCELERATOR.format(why="the recipe sets `use_cpu: true`"))

@@ -60,10 +60,12 @@ def plot_training_curves(log_history: list[dict], path: str, title: str = "") ->
 
 
 class RunReportCallback(TrainerCallback):
-    """Prints a summary at the end of training and writes `training_curves.png` to `output_dir`."""
+    """Prints a summary at the end of training and writes `training_curves.png` to `output_dir`; `notes` are lines
+    about how the run was prepared (e.g. a cold start run before the launch), printed with it."""
 
-    def __init__(self, plot: bool = True):
+    def __init__(self, plot: bool = True, notes: list[str] | None = None):
         self.plot = plot
+        self.notes = list(notes or [])
         self._started = None
 
     def on_train_begin(self, args, state, control, **kwargs):
@@ -97,6 +99,7 @@ class RunReportCallback(TrainerCallback):
                 f"  turns first -> last:   {fmt(summary['tools/turns_mean_first'])} -> "
                 f"{fmt(summary['tools/turns_mean_last'])}  (tools/turns_mean, model turns per completion)",
             ]
+        lines += [f"  {note}" for note in self.notes]
         if self.plot:
             os.makedirs(args.output_dir, exist_ok=True)
             path = plot_training_curves(state.log_history, os.path.join(args.output_dir, "training_curves.png"),

@@ -1,6 +1,8 @@
 """Training entry point: `python -m trl_gspo.train --config recipe.yaml` (what `trl-gspo` launches).
 
-Also runs under `accelerate launch [options] -m trl_gspo.train --config recipe.yaml`. Imports flow one way: the
+Also runs under `accelerate launch [options] -m trl_gspo.train --config recipe.yaml`. `python -m trl_gspo.train
+cold-start --config recipe.yaml` only prepares the built-in model (with its SFT cold start) in this one process: what
+`trl-gspo` runs before a DeepSpeed launch, whose processes cannot run the SFT. Imports flow one way: the
 command (`trl_gspo.cli`) launches this module by name, this module uses `recipe`, `rewards` and the trainer.
 """
 
@@ -10,8 +12,9 @@ import os
 import sys
 import time
 
-from .recipe import (BUILTIN_MODELS, BUILTIN_PREFIX, FSDP_WITHOUT_ACCELERATOR, SFT_UNDER_DEEPSPEED, RecipeError,
-                     check_conversational, check_dataset_size, check_recipe, describe, load_dataset, parse_recipe)
+from .recipe import (BUILTIN_MODELS, BUILTIN_PREFIX, COLD_START_NOTE_ENV, FSDP_WITHOUT_ACCELERATOR,
+                     SFT_UNDER_DEEPSPEED, RecipeError, check_conversational, check_dataset_size, check_recipe, describe,
+                     load_dataset, parse_recipe)
 from .rewards import resolve_rewards
 from .tool_registry import resolve_tools
 
@@ -160,7 +163,8 @@ def run(script_args, training_args, model_args, dataset_args) -> "GSPOTrainer": 
         eval_dataset=dataset[script_args.dataset_test_split] if training_args.eval_strategy != "no" else None,
         quantization_config=get_quantization_config(model_args),
         peft_config=get_peft_config(model_args),
-        callbacks=[RunReportCallback(plot=script_args.plot)],
+        callbacks=[RunReportCallback(plot=script_args.plot, notes=[os.environ[COLD_START_NOTE_ENV]]
+                                     if os.environ.get(COLD_START_NOTE_ENV) else [])],
         **tools,
         **credit,
     )
@@ -181,8 +185,32 @@ def run(script_args, training_args, model_args, dataset_args) -> "GSPOTrainer": 
     return trainer
 
 
+def cold_start(argv: list[str]) -> int:
+    """`python -m trl_gspo.train cold-start <recipe arguments>`: prepare the built-in model in this one process (no
+    accelerate launch, no DeepSpeed) and save it to `<output_dir>/initial_model`, or reuse it there."""
+    try:
+        # before_launch: this process sets up no process group, whatever `ddp_backend` the launch that follows uses
+        script_args, training_args, model_args, dataset_args, _, _ = parse_recipe(argv, before_launch=True)
+        if not (model_args.model_name_or_path or "").startswith(BUILTIN_PREFIX):
+            raise RecipeError(f"`cold-start` prepares a `builtin:` model, and model_name_or_path is "
+                              f"{model_args.model_name_or_path!r}. Fix: train it with `trl-gspo` directly.")
+        check_recipe(script_args, training_args, model_args, dataset_args, probe_dataset=False)
+    except (ValueError, TypeError) as err:  # RecipeError is a ValueError
+        print(f"trl-gspo: error: {err}", file=sys.stderr)
+        return 2
+    try:
+        path = _prepare_builtin_model(script_args, training_args, model_args)
+    except RecipeError as err:  # only our own refusals: an error inside the SFT keeps its traceback
+        print(f"trl-gspo: error: {err}", file=sys.stderr)
+        return 2
+    print(f"[trl-gspo] prepared model: {path}", flush=True)
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] == "cold-start":
+        return cold_start(argv[1:])
     try:
         # A recipe that does not parse (a wrong type, an impossible value) is one line, as in `trl-gspo`.
         script_args, training_args, model_args, dataset_args, launch_args, _ = parse_recipe(argv)
