@@ -523,9 +523,10 @@ TOOL_TURNS = Path(__file__).parent / "scripts" / "tool_turns_run.py"
 def _tool_turns(tmp_path, model_dir, launch=DDP, bind=None, expect_failure=False, **options):
     from test_tool_turns import HANG_BOUND
 
+    options.setdefault("max_steps", 4)
     return _run(tmp_path, launch=_two_processes(launch), bind=bind, model_dir=model_dir, script=TOOL_TURNS,
                 expect_failure=expect_failure, env={"OMP_NUM_THREADS": "1", "TRL_EXPERIMENTAL_SILENCE": "1"},
-                max_steps=4, ddp_timeout=HANG_BOUND, **options)
+                ddp_timeout=HANG_BOUND, **options)
 
 
 def _replayed_the_engine_routes(result):
@@ -565,11 +566,32 @@ def test_tensor_parallel_2_under_zero3_rank_divergent_tool_turns(tool_model_dir,
                                          vllm_tensor_parallel_size=2, loss_type="grpo", routing_replay="none"))
 
 
-def test_stock_trl_tool_turns_at_tensor_parallel_2(tool_model_dir, tmp_path):
-    """Stock TRL 1.16 `GRPOTrainer`, the same turns at TP 2 (docs/tool_turns.md): see the assertion for what it does."""
+STOCK_HANG_AFTER = 60  # seconds of training before a stock run's ranks print where they wait and exit
+
+
+def _stock_hangs(output):
+    """Stock TRL with rank-divergent turns: rank 0 waits in its second tool turn's gather inside TRL's vLLM generate
+    while rank 1, out of the loop, waits in `_generate`'s gather of completion lengths: neither ever returns (the
+    stacks faulthandler printed after STOCK_HANG_AFTER seconds)."""
+    assert f"Timeout (0:0{STOCK_HANG_AFTER // 60}:00)!" in output, output[-3000:]
+    assert "in _tool_call_loop" in output and "vllm_generation.py" in output, output[-3000:]
+    assert "in gather" in output and "grpo_trainer.py" in output, output[-3000:]
+
+
+def test_stock_trl_at_tensor_parallel_2_hands_rank_1_rank_0s_completions(tool_model_dir, tmp_path):
+    """Stock TRL 1.16 `GRPOTrainer` at TP 2, one tool turn per rank with unequal counts (8 and 4 samples; one round):
+    each rank keeps `rank * len(prompts)` onwards of the group's results, so rank 1 gets completions generated from
+    rank 0's histories. It trains without an error (docs/tool_turns.md)."""
+    result = _tool_turns(tmp_path, tool_model_dir, bind="0|1", engine="colocate", vllm_tensor_parallel_size=2,
+                         trainer="stock", max_tool_calling_iterations=1, max_steps=2)
+    assert result["turns"] == [[[1, 8]], [[1, 4]]]
+    assert result["own_history_violations"][0] == 0 and result["own_history_violations"][1] >= 4
+
+
+def test_stock_trl_at_tensor_parallel_2_hangs_when_ranks_leave_the_tool_loop_apart(tool_model_dir, tmp_path):
     output = _tool_turns(tmp_path, tool_model_dir, bind="0|1", engine="colocate", vllm_tensor_parallel_size=2,
-                         trainer="stock", expect_failure=True)
-    assert "collective mismatch" in output or "imed out" in output, output[-3000:]
+                         trainer="stock", hang_after=STOCK_HANG_AFTER, expect_failure=True)
+    _stock_hangs(output)
 
 
 def test_server_mode_two_processes_rank_divergent_tool_turns_r3(vllm_tool_server, tmp_path):
@@ -584,9 +606,23 @@ def test_server_mode_two_processes_rank_divergent_tool_turns_r3(vllm_tool_server
     _replayed_the_engine_routes(result)
 
 
-def test_stock_trl_tool_turns_in_server_mode(vllm_tool_server, tmp_path):
-    """Stock TRL 1.16 `GRPOTrainer`, two processes on the same server (docs/tool_turns.md)."""
+def test_stock_trl_in_server_mode_hands_rank_1_rank_0s_completions(vllm_tool_server, tmp_path):
+    """Stock TRL 1.16, two processes on the server, one tool turn per rank with unequal counts (one round): TRL's
+    process slice gives rank 1 completions generated from rank 0's histories (docs/tool_turns.md)."""
+    url, model_dir = vllm_tool_server
+    result = _tool_turns(tmp_path, model_dir, engine="server", server=url, trainer="stock", learning_rate=0.0,
+                         max_tool_calling_iterations=1, max_steps=2)
+    assert result["turns"] == [[[1, 8]], [[1, 4]]]
+    assert result["own_history_violations"][0] == 0 and result["own_history_violations"][1] >= 4
+
+
+def test_stock_trl_in_server_mode_breaks_when_ranks_leave_the_tool_loop_apart(vllm_tool_server, tmp_path):
+    """Stock TRL 1.16, two processes on the server, rank-divergent turns: rank 0's second tool turn gathers its
+    prompts (`gather_object`) while rank 1, out of the loop, gathers completion lengths, both on the default group:
+    gloo sees the sizes differ and aborts rank 0 ("Is there a distributed collective mismatch"); rank 1 then fails on
+    the closed connection."""
     url, model_dir = vllm_tool_server
     output = _tool_turns(tmp_path, model_dir, engine="server", server=url, trainer="stock", learning_rate=0.0,
-                         expect_failure=True)
-    assert "collective mismatch" in output or "imed out" in output, output[-3000:]
+                         hang_after=STOCK_HANG_AFTER, expect_failure=True)
+    (tmp_path / "output.txt").write_text(output)
+    assert "collective mismatch" in output, output[-3000:]

@@ -24,7 +24,8 @@ Options (JSON): config overrides, plus
                 use learning_rate 0)
     reference   with vLLM and R3: every policy pass is checked against routes laid out by hand from the raw engine
                 outputs (vllm_run.install_reference); the colocate engine serves perturbed routers (sync stubbed)
-    ddp_timeout seconds a collective may wait before it raises: bounds a hang of stock TRL
+    hang_after  seconds of training after which every rank prints its threads' stacks and exits (faulthandler):
+                bounds a hang of stock TRL and shows where each rank waits
 
 Checks, gathered from every rank into one `RESULT {json}` line (rank 0):
     own_history  every model segment of every sample (a run of tool_mask 1) was produced by a generate call whose
@@ -217,6 +218,7 @@ def main():
     options = json.loads(sys.argv[2])
     trainer_kind, engine = options.pop("trainer", "gspo"), options.pop("engine", "hf")
     server, reference = options.pop("server", None), options.pop("reference", False)
+    hang_after = options.pop("hang_after", None)
     torch.set_num_threads(1)
 
     import trl.trainer.grpo_trainer as grpo_trainer
@@ -278,7 +280,13 @@ def main():
 
         install_reference(trainer, args, checks, server=engine == "server")
 
+    if hang_after:
+        import faulthandler
+
+        faulthandler.dump_traceback_later(hang_after, exit=True)
     trainer.train()
+    if hang_after:
+        faulthandler.cancel_dump_traceback_later()
     from accelerate.utils import gather_object
 
     every_call = gather_object(calls)  # server mode: the main process's; colocate: each rank's engine's
