@@ -268,6 +268,26 @@ def test_trl_reward_factories_we_build_exist_with_their_parameters():
         assert set(kwargs) <= set(_parameters(getattr(trl.rewards, name))), name
 
 
+def test_tool_loop_internals_the_lockstep_relies_on():
+    """trl_gspo/tool_turns.py overrides `_tool_call_loop` (any arguments, passed through) and `_generate_single_turn`
+    (called positionally with these five arguments), reads the TP group and mode of TRL's `VLLMGeneration`, and sets
+    `max_new_tokens` / `min_new_tokens` of the trainer's `generation_config` for an empty turn. In a tool turn TRL
+    calls `_generate_single_turn(..., num_generations=1)` for the tool-calling samples only, and its vLLM generate
+    slices results by `process_index * len(prompts)` (server) or the rank in the TP group (TP > 1): the reasons for
+    the lockstep (docs/tool_turns.md)."""
+    from trl.generation.vllm_generation import VLLMGeneration
+
+    assert _parameters(GRPOTrainer._generate_single_turn) == [
+        "self", "prompt_ids", "images", "multimodal_fields", "num_generations", "has_tool_images"]
+    assert _parameters(GRPOTrainer._tool_call_loop)[:3] == ["self", "prompts", "prompt_ids"]
+    loop = inspect.getsource(GRPOTrainer._tool_call_loop)
+    assert "num_generations=1" in loop and "while idxs_with_tool and iteration_num" in loop
+    generate = inspect.getsource(VLLMGeneration.generate)
+    assert "accelerator.process_index * len(prompts)" in generate and "tp_group" in generate
+    assert "tensor_parallel_size" in inspect.getsource(VLLMGeneration.__init__)
+    assert {"max_new_tokens", "min_new_tokens"} <= set(vars(__import__("transformers").GenerationConfig()))
+
+
 # --------------------------------------------------------------------------- configuration
 def test_trl_loss_types():
     """TRL's loss types, as its `loss_type` help lists them, are the ones GSPOTrainer hands to TRL."""
