@@ -320,8 +320,8 @@ def test_the_tools_recipe_runs_through_trl_gspo(tmp_path):
 def test_the_tools_recipe_runs_under_deepspeed_in_one_command(tmp_path):
     """`trl-gspo --config recipes/quickstart_tools.yaml` under ZeRO-3 on two processes, one command: the cold start
     runs once, in one plain process before the launch (its mark records one process), the DeepSpeed processes start
-    from `initial_model` with sft_steps 0 and train, and the report says so. Shortened (20 cold-start steps, 2 RL
-    steps, R3 off: R3 under ZeRO-3 in tool turns is separate work); about 50-90 s on 2 cores."""
+    from `initial_model` with sft_steps 0 and train, with the recipe's R3 across turns, and the report says so.
+    Shortened (20 cold-start steps, 2 RL steps); about 50-90 s on 2 cores."""
     import socket
 
     out = tmp_path / "tools"
@@ -331,7 +331,7 @@ def test_the_tools_recipe_runs_under_deepspeed_in_one_command(tmp_path):
     result = subprocess.run(
         [sys.executable, "-m", "trl_gspo.cli", "--config", str(RECIPE), "--accelerate_config",
          str(ROOT / "recipes/accelerate/cpu_zero3.yaml"), "--num_processes", "2", "--ddp_backend", "gloo",
-         "--main_process_port", str(port), "--routing_replay", "none", "--output_dir", str(out), "--sft_steps", "20",
+         "--main_process_port", str(port), "--output_dir", str(out), "--sft_steps", "20",
          "--max_steps", "2", "--per_device_train_batch_size", "4", "--num_generations", "4",
          "--steps_per_generation", "2", "--logging_steps", "1", "--plot", "false"],
         capture_output=True, text=True, env=cpu_env(OMP_NUM_THREADS="1"), timeout=300,

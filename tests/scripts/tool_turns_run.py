@@ -32,6 +32,8 @@ Checks, gathered from every rank into one `RESULT {json}` line (rank 0):
                  prompt was exactly the sample's tokens before the segment (the ground truth: HF generate's rows, the
                  engine's RequestOutputs or the server's choices): every completion continues its own history
     turns        per rank and round: [tool turns of the rank's busiest sample, samples that called a tool in turn 1]
+    FOREIGN      (vLLM, printed by the rank at once) TRL's generate returned completions of prompts this rank did not
+                 send in those positions
 
 HF generate samples with Gumbel noise keyed by (the row's tokens, its place among identical rows of the call), not by
 each rank's RNG stream: one process and two draw the same completions, so their losses can be compared.
@@ -160,6 +162,23 @@ def keep_engine_calls(trainer, engine, calls):
     client.session.post = keeping_post
 
 
+def report_foreign_completions(trainer):
+    """Print at once (it must survive a later hang) when TRL's vLLM generate hands this rank completions whose prompt
+    is not the one this rank sent in that position: TRL returns each completion's prompt ids, sliced like it."""
+    generation, rank = trainer.vllm_generation, trainer.accelerator.process_index
+    generate = generation.generate
+
+    def checking(*a, **k):
+        result = generate(*a, **k)
+        sent = k["prompts"] if "prompts" in k else a[0]
+        foreign = sum(list(got) != list(mine) for got, mine in zip(result[0], sent))
+        if foreign:
+            print(f"FOREIGN rank {rank}: {foreign} of {len(sent)} completions came from other prompts", flush=True)
+        return result
+
+    generation.generate = checking
+
+
 def keep_samples(trainer, samples):
     """Every round's final samples on this rank: (prompt ids, completion ids, tool_mask)."""
     generate = trainer._generate
@@ -273,6 +292,7 @@ def main():
         trainer.vllm_generation.sync_weights = lambda: weight_syncs.append(0)
     if engine != "hf":
         keep_engine_calls(trainer, engine, calls)
+        report_foreign_completions(trainer)
     keep_samples(trainer, samples)
     checks = {"passes": 0, "max_forced_diff": 0.0, "max_natural_diff": 0.0, "training_passes": 0}
     if reference:
