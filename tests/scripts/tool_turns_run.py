@@ -263,7 +263,8 @@ def main():
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     max_steps = options.pop("max_steps", 2)
     config = dict(per_device_train_batch_size=16 // world_size, num_generations=4, max_steps=max_steps,
-                  shuffle_dataset=False, steps_per_generation=1, max_completion_length=128, max_tool_calling_iterations=2,
+                  shuffle_dataset=False, steps_per_generation=1, max_completion_length=128,
+                  max_tool_calling_iterations=2,
                   learning_rate=2e-3, num_iterations=2, ddp_backend="gloo" if world_size > 1 else None,
                   router_aux_loss_coef=0.0, logging_steps=1)
     if engine != "hf":
