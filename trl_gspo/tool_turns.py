@@ -83,22 +83,23 @@ class TurnSplit:
 class ToolTurnsMixin:
     """Overrides `_tool_call_loop` and `_generate_single_turn` of TRL's `GRPOTrainer` (module docstring)."""
 
-    _turn_counts: list[int] | None = None  # world counts of the current lockstep turn; None outside the tool loop
+    _lockstep: str | None = None  # `lockstep_layout` while TRL's tool loop runs in lockstep; None otherwise
+    _exchanged: list[int] | None = None  # the counts the empty-turn driver below already exchanged for its turn
     _turn_split: TurnSplit | None = None  # the last lockstep vLLM turn's layout, for the route capture
 
     def _tool_call_loop(self, *args, **kwargs):
         layout = lockstep_layout(self)
         if layout is None:
             return super()._tool_call_loop(*args, **kwargs)
-        self._turn_counts = []  # inside the loop: `_generate_single_turn` calls are tool turns
+        self._lockstep = layout  # inside the loop: `_generate_single_turn` calls are tool turns
         try:
             result = super()._tool_call_loop(*args, **kwargs)
             # This rank's loop has ended; others may still have tool calls: take part in their turns, empty-handed.
             while any(counts := self._exchange_counts(0)):
-                self._turn_counts = counts
+                self._exchanged = counts
                 self._generate_single_turn([], None, {}, num_generations=1)
         finally:
-            self._turn_counts = None
+            self._lockstep, self._exchanged = None, None
         return result
 
     def _exchange_counts(self, count: int) -> list[int]:
@@ -108,18 +109,18 @@ class ToolTurnsMixin:
 
     def _generate_single_turn(self, prompt_ids, images, multimodal_fields, num_generations, has_tool_images=False):
         self._turn_split = None
-        if self._turn_counts is None:  # not a tool turn, or a layout that generates locally
+        if self._lockstep is None:  # not a tool turn, or a layout that generates locally
             return super()._generate_single_turn(prompt_ids, images, multimodal_fields, num_generations,
                                                  has_tool_images)
-        # A tool turn of this rank's own loop, or (counts already set) an empty turn of the driver above
-        counts = self._turn_counts or self._exchange_counts(len(prompt_ids))
-        self._turn_counts = []
+        # A tool turn of this rank's own loop exchanges its count here; an empty turn of the driver above did already
+        counts = self._exchanged if self._exchanged is not None else self._exchange_counts(len(prompt_ids))
+        self._exchanged = None
         if multimodal_fields:
             raise NotImplementedError(
                 "tools with image inputs on several processes: GSPOTrainer keeps TRL's tool turns in lockstep across "
                 "ranks for this layout and does not carry multimodal fields between them. Fix: train on one process, "
                 "or with DDP / ZeRO-1/2 and HF generate, or vLLM colocate at tensor-parallel size 1.")
-        if lockstep_layout(self) == "collective_generate":
+        if self._lockstep == "collective_generate":
             return self._hf_turn(prompt_ids, images, multimodal_fields, num_generations, has_tool_images)
         return self._vllm_turn(counts, prompt_ids, images, num_generations, has_tool_images)
 

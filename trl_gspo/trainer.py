@@ -4,6 +4,7 @@ logging, distributed training, checkpoints) is TRL's own."""
 from __future__ import annotations
 
 import contextlib
+import functools
 import inspect
 
 import torch
@@ -121,9 +122,10 @@ class GSPOTrainer(CheckpointMixin, ToolTurnsMixin, GRPOTrainer):
                 contextlib.nullcontext()):
             if self._routing is None:
                 return super()._generate_single_turn(*args, **kwargs)
-            target = (lambda: capture_routes(self.vllm_generation, self.accelerator, lambda: self._turn_split)
-                      ) if self.use_vllm else (
-                lambda: self.accelerator.unwrap_model(self.model_wrapped))
+            # vLLM: a lockstep tool turn says how the group's results were split (trl_gspo/tool_turns.py)
+            target = (functools.partial(capture_routes, self.vllm_generation, self.accelerator,
+                                        lambda: self._turn_split) if self.use_vllm else
+                      lambda: self.accelerator.unwrap_model(self.model_wrapped))
             with self._routing.sampling(target, vllm=self.use_vllm) as finish:
                 completion_ids, logprobs = super()._generate_single_turn(*args, **kwargs)
                 if finish is not None:  # R3: this call's sampler routes, and the sampler's log-probs for TRL

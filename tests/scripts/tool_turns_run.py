@@ -312,13 +312,6 @@ def main():
 
     every_call = gather_object(calls)  # server mode: the main process's; colocate: each rank's engine's
     every_rank = gather_object([{"turns": turns(samples), "samples": samples, "checks": checks}])
-    if trainer.is_deepspeed_enabled and trainer.accelerator.state.deepspeed_plugin.zero_stage == 3:
-        import deepspeed
-
-        with deepspeed.zero.GatheredParameters(list(trainer.model.parameters())):
-            checksum = float(sum(p.detach().double().sum() for p in trainer.model.parameters()))
-    else:
-        checksum = float(sum(p.detach().double().sum() for p in trainer.model.parameters()))
     if trainer.accelerator.is_main_process:
         history = [h for h in trainer.state.log_history if "loss" in h]
         print("RESULT " + json.dumps({
@@ -328,7 +321,7 @@ def main():
             "samples_checked": [sum(len(r) for r in rank["samples"]) for rank in every_rank],
             "checks_per_rank": [rank["checks"] for rank in every_rank],
             "loss": [h["loss"] for h in history], "grad_norm": [h.get("grad_norm") for h in history],
-            "reward": [h.get("reward") for h in history], "checksum": checksum,
+            "reward": [h.get("reward") for h in history],
             "call_frequency": [h.get("tools/call_frequency") for h in history],
         }), flush=True)
     trainer.accelerator.wait_for_everyone()
