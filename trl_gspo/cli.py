@@ -18,9 +18,9 @@ import sys
 
 from . import launching, multinode
 from .checkpoints import check_resume_before_launch
-from .recipe import (BUILTIN_PREFIX, COLD_START_NOTE_ENV, GSPOScriptArguments, RecipeError,  # noqa: F401
-                     check_launch, check_recipe, cold_start_before_launch, describe, launch_options, make_parser,
-                     parse_recipe)
+from .recipe import (BUILTIN_PREFIX, COLD_START_LAUNCHERS, COLD_START_NOTE_ENV, GSPOScriptArguments,  # noqa: F401
+                     RecipeError, check_launch, check_recipe, cold_start_before_launch, describe, launch_options,
+                     launcher_type, make_parser, parse_recipe)
 from .rewards import resolve_rewards
 from .tool_registry import resolve_tools, tool_budget_warning
 
@@ -49,9 +49,11 @@ def _without(argv: list[str], tokens: list[str]) -> list[str]:
     return result
 
 
-def _cold_start_before_launch(argv: list[str], script_args, training_args, model_args) -> tuple[int, str, str]:
+def _cold_start_before_launch(argv: list[str], script_args, training_args, model_args,
+                              kind: str = "DeepSpeed") -> tuple[int, str, str]:
     """Prepare the built-in model in one plain process before a DeepSpeed launch (its processes cannot run the SFT:
-    accelerate allows one DeepSpeed Accelerator per process), or reuse the one a run with the same inputs left.
+    accelerate allows one DeepSpeed Accelerator per process; an FSDP process's SFT trainer would shard the model it
+    must save), or reuse the one a run with the same inputs left.
     Returns `(exit code, path, a line for the end-of-run report)`."""
     from .quickstart import reuse
 
@@ -60,16 +62,16 @@ def _cold_start_before_launch(argv: list[str], script_args, training_args, model
     inputs = reuse.cold_start_inputs(model_args.model_name_or_path[len(BUILTIN_PREFIX):], script_args,
                                      training_args.seed, 1)
     if reuse.reusable(path, inputs):
-        print(f"[trl-gspo] cold start reused before the DeepSpeed launch (same inputs, {reuse.MARK}): {path}",
+        print(f"[trl-gspo] cold start reused before the {kind} launch (same inputs, {reuse.MARK}): {path}",
               flush=True)
-        return 0, path, f"cold start: reused before the DeepSpeed launch (same inputs, {reuse.MARK}): {path}"
-    print(f"[trl-gspo] cold start (sft_steps {script_args.sft_steps}) runs in one process before the DeepSpeed "
+        return 0, path, f"cold start: reused before the {kind} launch (same inputs, {reuse.MARK}): {path}"
+    print(f"[trl-gspo] cold start (sft_steps {script_args.sft_steps}) runs in one process before the {kind} "
           "launch", flush=True)
     returncode = launching.run_forwarding_signals([sys.executable, "-m", TRAINING_MODULE, "cold-start", *argv])
     if returncode:
         return returncode, path, ""
-    print(f"[trl-gspo] cold start ran before the DeepSpeed launch: {path}", flush=True)
-    return 0, path, (f"cold start: ran before the DeepSpeed launch, in one process (sft_steps "
+    print(f"[trl-gspo] cold start ran before the {kind} launch: {path}", flush=True)
+    return 0, path, (f"cold start: ran before the {kind} launch, in one process (sft_steps "
                      f"{script_args.sft_steps}): {path}")
 
 
@@ -121,7 +123,8 @@ def main(argv: list[str] | None = None) -> int:
 
     overrides, environment = [], None
     if cold_start_before_launch(script_args, model_args, launch_args):
-        returncode, path, report = _cold_start_before_launch(argv, script_args, training_args, model_args)
+        kind = COLD_START_LAUNCHERS[launcher_type(launch_args)]
+        returncode, path, report = _cold_start_before_launch(argv, script_args, training_args, model_args, kind)
         if returncode:
             return returncode
         # Last on the command line, so they override the recipe's and the command line's own values.
@@ -130,7 +133,7 @@ def main(argv: list[str] | None = None) -> int:
     accelerate_tokens = launch_args + ["--module", TRAINING_MODULE] + _without(argv, cli_launch_tokens) + overrides
     command = launching.accelerate_launch_command(accelerate_tokens)
     if overrides:
-        print(f"[trl-gspo] the DeepSpeed processes start from it with sft_steps 0: {shlex.join(command)}", flush=True)
+        print(f"[trl-gspo] the {kind} processes start from it with sft_steps 0: {shlex.join(command)}", flush=True)
     options = launch_options(launch_args)
     note = multinode.join_note(*options)
     if note:

@@ -31,6 +31,15 @@ SFT_UNDER_DEEPSPEED = (
     "processes from it), or cold-start once with one process or DDP (e.g. recipes/accelerate/cpu_ddp.yaml), then "
     "launch DeepSpeed with `model_name_or_path: <that output_dir>/initial_model` and `sft_steps: 0`."
 )
+SFT_UNDER_FSDP = (
+    "`sft_steps` (the built-in SFT cold start) cannot run inside an FSDP launch: its SFT trainer would shard the model "
+    "too, and the sharded model cannot be saved for the GSPO trainer. Fix: launch with `trl-gspo` and an "
+    "accelerate_config that selects FSDP (it runs the cold start in one process before the launch), or cold-start "
+    "once with one process, then launch FSDP with `model_name_or_path: <that output_dir>/initial_model` and "
+    "`sft_steps: 0`."
+)
+# The launchers whose processes cannot run the built-in cold start, as the messages name them.
+COLD_START_LAUNCHERS = {"DEEPSPEED": "DeepSpeed", "FSDP": "FSDP"}
 # Where the cold start run before a DeepSpeed launch tells the launched processes what it did, for their report.
 COLD_START_NOTE_ENV = "TRL_GSPO_COLD_START_BEFORE_LAUNCH"
 
@@ -361,9 +370,10 @@ def launched_machines(launch_args: list[str]) -> int:
 
 def cold_start_before_launch(script_args, model_args, launch_args: list[str]) -> bool:
     """Whether `trl-gspo` runs the built-in SFT cold start in one process before launching: a DeepSpeed launch (whose
-    processes cannot run a second, SFT, DeepSpeed Accelerator) of a `builtin:` model with `sft_steps > 0`."""
+    processes cannot run a second, SFT, DeepSpeed Accelerator) or an FSDP launch (whose SFT trainer would shard the
+    model it must save) of a `builtin:` model with `sft_steps > 0`."""
     return (script_args.sft_steps > 0 and (model_args.model_name_or_path or "").startswith(BUILTIN_PREFIX)
-            and launcher_type(launch_args) == "DEEPSPEED")
+            and launcher_type(launch_args) in COLD_START_LAUNCHERS)
 
 
 def check_launch(script_args, training_args, model_args, launch_args: list[str], dry_run: bool = False) -> list[str]:
@@ -386,22 +396,23 @@ def check_launch(script_args, training_args, model_args, launch_args: list[str],
             "initialized\". Fix: remove ddp_backend, or launch several processes (e.g. `accelerate_config: "
             "recipes/accelerate/cpu_ddp.yaml` on CPU, `num_processes: 8` on a GPU node)."
         )
-    if distributed_type == "DEEPSPEED" and script_args.sft_steps > 0:
+    if distributed_type in COLD_START_LAUNCHERS and script_args.sft_steps > 0:
+        kind = COLD_START_LAUNCHERS[distributed_type]
         if not cold_start_before_launch(script_args, model_args, launch_args):  # not a built-in model
             raise RecipeError(
                 f"`sft_steps` {script_args.sft_steps} cold-starts a `builtin:` model, and model_name_or_path is "
-                f"{model_args.model_name_or_path!r} (a DeepSpeed process could not run an SFT stage either). Fix: set "
+                f"{model_args.model_name_or_path!r} (a {kind} process could not run an SFT stage either). Fix: set "
                 "sft_steps: 0, or cold-start your model with `trl sft` first.")
         if launched_machines(launch_args) > 1:  # every node's command would cold-start into the shared output_dir
             raise RecipeError(
-                "`sft_steps` with DeepSpeed on several nodes: `trl-gspo` runs the built-in cold start in one process "
-                "before a DeepSpeed launch, and each node's command would run its own into the shared output_dir. "
+                f"`sft_steps` with {kind} on several nodes: `trl-gspo` runs the built-in cold start in one process "
+                f"before a {kind} launch, and each node's command would run its own into the shared output_dir. "
                 "Fix: cold-start once, on one node: `python -m trl_gspo.train cold-start --config RECIPE` (what "
                 "trl-gspo runs before a one-node launch; it writes <output_dir>/initial_model), then launch every node "
                 "with `--model_name_or_path <output_dir>/initial_model --sft_steps 0`.")
         notes.append(f"(the built-in cold start, sft_steps {script_args.sft_steps}, runs in one process before the "
-                     "DeepSpeed launch, into "
-                     f"{os.path.join(training_args.output_dir, 'initial_model')}; the DeepSpeed processes start from "
+                     f"{kind} launch, into "
+                     f"{os.path.join(training_args.output_dir, 'initial_model')}; the {kind} processes start from "
                      "it with sft_steps 0)")
     if distributed_type == "FSDP":
         if training_args.use_cpu and has_accelerator():

@@ -13,8 +13,8 @@ import sys
 import time
 
 from .recipe import (BUILTIN_MODELS, BUILTIN_PREFIX, COLD_START_NOTE_ENV, FSDP_WITHOUT_ACCELERATOR,
-                     SFT_UNDER_DEEPSPEED, RecipeError, check_conversational, check_dataset_size, check_recipe, describe,
-                     load_dataset, parse_recipe)
+                     SFT_UNDER_DEEPSPEED, SFT_UNDER_FSDP, RecipeError, check_conversational, check_dataset_size,
+                     check_recipe, describe, load_dataset, parse_recipe)
 from .rewards import resolve_rewards
 from .tool_registry import resolve_tools
 
@@ -42,6 +42,8 @@ def _prepare_builtin_model(script_args, training_args, model_args):
     under_deepspeed = parse_flag_from_env("ACCELERATE_USE_DEEPSPEED") or bool(training_args.deepspeed)
     if script_args.sft_steps > 0 and under_deepspeed:
         raise RecipeError(SFT_UNDER_DEEPSPEED)
+    if script_args.sft_steps > 0 and parse_flag_from_env("ACCELERATE_USE_FSDP"):
+        raise RecipeError(SFT_UNDER_FSDP)
     from .quickstart import reuse
 
     inputs = reuse.cold_start_inputs(name, script_args, training_args.seed, state.num_processes)
@@ -94,7 +96,13 @@ def check_distributed_setup(training_args) -> None:
     from accelerate.utils import DistributedType, parse_flag_from_env
 
     state = PartialState(cpu=training_args.use_cpu)
-    if parse_flag_from_env("ACCELERATE_USE_FSDP") and state.distributed_type != DistributedType.FSDP:
+    # PartialState never says FSDP itself: on a GPU it says MULTI_GPU (XPU, NPU, ...), which AcceleratorState then
+    # upgrades to FSDP; on the CPU it says MULTI_CPU or NO, which accelerate never upgrades.
+    accelerator_types = {getattr(DistributedType, name) for name in ("FSDP", "MULTI_GPU", "MULTI_XPU", "MULTI_NPU",
+                                                                     "MULTI_MLU", "MULTI_SDAA", "MULTI_MUSA",
+                                                                     "MULTI_HPU", "MULTI_NEURON")
+                         if hasattr(DistributedType, name)}
+    if parse_flag_from_env("ACCELERATE_USE_FSDP") and state.distributed_type not in accelerator_types:
         raise RecipeError(FSDP_WITHOUT_ACCELERATOR.format(
             why=f"this process runs on {state.device} (accelerate chose {state.distributed_type.value})"))
 

@@ -1,0 +1,81 @@
+#!/usr/bin/env bash
+# GPU run 3 (issue 41) as one bounded command for a bare one-GPU machine with a short lease (H200: 139 GiB):
+#   (on a CPU machine first: `bash ../shared/gpu/wheels.sh` and math-verify's wheels into .whl/, as gpu_acceptance.sh)
+#   bash benchmarks/reproduce/gpu_run3.sh [OUT_DIR] [COMMIT]     # on the GPU machine, from the repo root
+# Phase 1 has the GPU to itself (the timed ratios). Phase 2 runs four chains side by side, each step with its own
+# timeout, so the whole run ends within about 500 s; the untimed figures (peak memory per process, route agreement,
+# rewards) do not depend on the neighbours. The flagship-size step (about 61 GB of weights) shares the GPU with
+# models of at most 40 GB. Logs, written as they go: env.txt, bench.log, fsdp2.log, gpu_tests.log, tools.log,
+# flagship.log.
+set -u
+OUT_DIR=${1:-outputs/gpu_run3}
+COMMIT=${2:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
+mkdir -p "$OUT_DIR"
+started=$(date +%s)
+stamp() { echo "== [$(( $(date +%s) - started )) s] $*"; }
+
+if [ -d .whl ]; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl || exit 1
+  export PYTHONPATH=/tmp/site:$PWD
+fi
+python3 -m pip install -q --no-deps --no-build-isolation --no-compile -e . >/dev/null 2>&1 \
+  || echo "editable install failed: the package runs from PYTHONPATH" >&2
+export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false TRL_EXPERIMENTAL_SILENCE=1
+export PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
+{
+  echo "commit $COMMIT"; date -u; nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
+  python3 -c "import torch, transformers, trl, accelerate, peft, deepspeed, datasets; \
+print('torch', torch.__version__, 'cuda', torch.version.cuda, torch.cuda.get_device_name(0)); \
+print('transformers', transformers.__version__, 'trl', trl.__version__, 'accelerate', accelerate.__version__, \
+'peft', peft.__version__, 'deepspeed', deepspeed.__version__, 'datasets', datasets.__version__)" 2>&1 | grep -v Warn
+  nproc; free -g | head -2
+  stamp "setup done"
+} > "$OUT_DIR/env.txt" 2>&1
+
+# Phase 1: the GPU to itself (the H200's figures of the last run: 1.012 and 0.999).
+{
+  stamp routing_replay_overhead
+  timeout 60 python3 benchmarks/routing_replay_overhead.py --size gpu --repeats 41
+  stamp loss_overhead
+  timeout 60 python3 benchmarks/loss_overhead.py --size gpu --device cuda --repeats 41
+  stamp done
+} > "$OUT_DIR/bench.log" 2>&1
+
+# Phase 2: four chains side by side, two CPU threads each (16 cores).
+export OMP_NUM_THREADS=2
+{  # FSDP2 with one process (recipes/accelerate/fsdp2.yaml): the quickstart, GSPO + R2 with checkpoints and resumes
+  stamp "FSDP2 checks"
+  timeout 330 bash benchmarks/reproduce/fsdp2_check.sh /tmp/fsdp2_work; stamp "fsdp2 rc $?"
+  cat /tmp/fsdp2_work/results.txt
+  for f in /tmp/fsdp2_work/*.log; do echo "---- $f"; tail -n 25 "$f"; done
+} > "$OUT_DIR/fsdp2.log" 2>&1 &
+{  # the acceptance suite, then the sampler gap: bf16 HF generate against an fp32 trainer (the last run's figure)
+   # and against a bf16 trainer (decode vs prefill alone)
+  stamp "pytest -m gpu"
+  timeout 170 python3 -m pytest -m gpu -n 3 -p no:cacheprovider -q --durations=0 tests/test_gpu.py
+  stamp "pytest rc $?"
+  for dtype in float32 bfloat16; do
+    stamp "sampler_mismatch, trainer $dtype"
+    timeout 130 python3 benchmarks/sampler_mismatch.py --size gpu --device cuda --seeds 1 --rollouts 4 \
+      --trainer-dtype $dtype --routing-only
+    stamp "rc $?"
+  done
+} > "$OUT_DIR/gpu_tests.log" 2>&1 &
+{  # the tool quickstart on CUDA with R3 across turns: 200 of the recipe's 600 RL steps, to fit the lease
+  stamp "tool quickstart on CUDA"
+  timeout 380 python3 -m trl_gspo.cli --config recipes/quickstart_tools.yaml --use_cpu false --bf16 true \
+    --max_steps 200 --logging_steps 20 --output_dir /tmp/quickstart_tools
+  stamp "rc $?"
+  python3 benchmarks/reproduce/summarize_run.py /tmp/quickstart_tools reward tools/call_frequency \
+    routing/sampler_agreement step_time
+  stamp done
+} > "$OUT_DIR/tools.log" 2>&1 &
+{  # the flagship's real size, then the memory benchmark
+  stamp "flagship step"
+  timeout 200 python3 benchmarks/flagship_step.py --device cuda; stamp "rc $?"
+  stamp "memory"
+  timeout 170 python3 benchmarks/memory.py --size gpu --device cuda --dtype bfloat16 --replay --budget 100
+  stamp "rc $?"
+} > "$OUT_DIR/flagship.log" 2>&1 &
+wait
+stamp "all done" >> "$OUT_DIR/env.txt"
