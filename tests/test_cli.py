@@ -242,6 +242,38 @@ def test_a_deepspeed_process_launched_by_hand_refuses_the_cold_start(tmp_path, m
     assert not (tmp_path / "o").exists()
 
 
+def test_builtin_cold_start_runs_in_one_process_before_an_fsdp_launch(tmp_path, capsys, launches, monkeypatch):
+    """An FSDP process's SFT trainer would shard the model it must save (measured with FSDP2 on one CPU process,
+    tests/scripts/fsdp_cpu.py: `save_pretrained` failed on the sharded storage): as before a DeepSpeed launch, the
+    cold start runs first in one plain process, and the FSDP processes start from its output with sft_steps 0."""
+    monkeypatch.setattr("trl_gspo.recipe.has_accelerator", lambda: True)
+    recipe = _recipe(tmp_path, BASE.format(out=tmp_path / "o").replace("use_cpu: true", "use_cpu: false")
+                     + "sft_steps: 5\n")
+    fsdp2 = ["--accelerate_config", str(ROOT / "recipes/accelerate/fsdp2.yaml"), "--num_processes", "1"]
+    assert main(["--config", recipe, *fsdp2]) == 0
+    (cold_start, _), (launch, env) = launches
+    assert cold_start[1:4] == ["-m", "trl_gspo.train", "cold-start"]
+    initial = str(tmp_path / "o" / "initial_model")
+    assert launch[-4:] == ["--model_name_or_path", initial, "--sft_steps", "0"]
+    assert env["TRL_GSPO_COLD_START_BEFORE_LAUNCH"].startswith("cold start: ran before the FSDP launch")
+    assert "the FSDP processes start from it with sft_steps 0" in capsys.readouterr().out
+
+
+def test_an_fsdp_process_launched_by_hand_refuses_the_cold_start(tmp_path, monkeypatch):
+    from trl import ModelConfig
+
+    from trl_gspo import GSPOConfig
+    from trl_gspo.recipe import GSPOScriptArguments, RecipeError
+    from trl_gspo.train import _prepare_builtin_model
+
+    monkeypatch.setenv("ACCELERATE_USE_FSDP", "true")
+    script = GSPOScriptArguments(dataset_name="builtin:addition", reward_funcs=["digit_match_reward"], sft_steps=5)
+    training = GSPOConfig(output_dir=str(tmp_path / "o"), use_cpu=True, bf16=False, report_to="none")
+    with pytest.raises(RecipeError, match="cannot run inside an FSDP launch.*launch with `trl-gspo`"):
+        _prepare_builtin_model(script, training, ModelConfig(model_name_or_path="builtin:tiny-qwen3"))
+    assert not (tmp_path / "o").exists()
+
+
 def test_reward_names_come_from_trls_registry():
     """`reward_funcs` accepts every reward function `trl.rewards` exports (a TRL release that adds one makes it
     available), `get_soft_overlong_punishment` built as `trl grpo` builds it, and the built-in task's rewards."""

@@ -84,6 +84,25 @@ def test_the_launched_process_refuses_fsdp_it_did_not_get(monkeypatch):
     check_distributed_setup(trl_gspo.recipe.GSPOConfig(output_dir="unused", use_cpu=True, report_to="none"))
 
 
+
+def test_the_launched_process_accepts_fsdp_on_an_accelerator(monkeypatch):
+    """On a GPU, accelerate's process state says MULTI_GPU (its later AcceleratorState makes that FSDP): the check
+    must let that through. Before this was fixed it refused every FSDP launch, GPU included (found running FSDP2 on
+    one CPU process with tests/scripts/fsdp_cpu.py, which makes accelerate report MULTI_GPU; then measured on an
+    H200: docs/results.md)."""
+    from accelerate.utils import DistributedType
+
+    class GpuState:  # what PartialState reports in a process launched with FSDP on a GPU machine
+        distributed_type = DistributedType.MULTI_GPU
+        device = "cuda:0"
+
+    monkeypatch.setattr("accelerate.PartialState", lambda cpu=False: GpuState())
+    monkeypatch.setenv("ACCELERATE_USE_FSDP", "true")
+    check_distributed_setup(trl_gspo.recipe.GSPOConfig(output_dir="unused", use_cpu=False, bf16=False, report_to="none"))
+    GpuState.distributed_type = DistributedType.MULTI_CPU
+    with pytest.raises(RecipeError, match="FSDP needs a GPU"):
+        check_distributed_setup(trl_gspo.recipe.GSPOConfig(output_dir="unused", use_cpu=False, bf16=False, report_to="none"))
+
 CPU_FSDP2 = """
 compute_environment: LOCAL_MACHINE
 distributed_type: FSDP
