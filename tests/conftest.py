@@ -36,7 +36,7 @@ def fake_accelerator(monkeypatch):
     bf16-GPU check behind TrainingArguments, answer `present`, so both branches run on any machine."""
 
     def fake(present: bool) -> None:
-        monkeypatch.setattr("trl_gspo.recipe.has_accelerator", lambda: present)
+        monkeypatch.setattr("trl_gspo.launch.checks.has_accelerator", lambda: present)
         monkeypatch.setattr("transformers.training_args.is_torch_bf16_gpu_available", lambda *a, **k: present)
 
     return fake

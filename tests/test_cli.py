@@ -11,7 +11,7 @@ import yaml
 from conftest import BASE_RECIPE as BASE
 from conftest import cpu_env, skip_without_math_verify
 
-from trl_gspo.cli import main, parse_recipe
+from trl_gspo.launch.cli import main, parse_recipe
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -64,8 +64,8 @@ def test_missing_recipe_file(capsys):
 
 def test_wrong_type_is_reported_by_name(tmp_path):
     path = _recipe(tmp_path, BASE.format(out=tmp_path / "o") + "max_steps: many\n")
-    result = subprocess.run([sys.executable, "-m", "trl_gspo.cli", "--config", path], capture_output=True, text=True,
-                            env=cpu_env())
+    result = subprocess.run([sys.executable, "-m", "trl_gspo.launch.cli", "--config", path], capture_output=True,
+                            text=True, env=cpu_env())
     assert result.returncode == 2
     assert "max_steps" in result.stderr and "many" in result.stderr
 
@@ -104,7 +104,7 @@ def test_shipped_recipes_resolve(recipe, gpu, capsys, monkeypatch, fake_accelera
 
         monkeypatch.setattr(vllm, "installed_vllm_version", lambda: vllm.VLLM_RANGE[0])
     probed = []
-    monkeypatch.setattr("trl_gspo.recipe._probe_dataset", lambda key, path, config: probed.append((key, path)))
+    monkeypatch.setattr("trl_gspo.launch.checks._probe_dataset", lambda key, path, config: probed.append((key, path)))
     assert main(["--config", str(recipe), "--dry_run", "true"]) == 0
     dataset = yaml.safe_load(recipe.read_text())["dataset_name"]
     assert probed == ([] if dataset.startswith("builtin:") else [("dataset_name", dataset)])
@@ -150,7 +150,7 @@ def launches(monkeypatch):
     """The commands `trl-gspo` would run (the cold-start process, the accelerate launch) with their environments,
     instead of running them; each "succeeds"."""
     commands = []
-    monkeypatch.setattr("trl_gspo.launching.run_forwarding_signals",
+    monkeypatch.setattr("trl_gspo.launch.launching.run_forwarding_signals",
                         lambda cmd, env=None, **kw: commands.append((cmd, env)) or 0)
     return commands
 
@@ -160,18 +160,18 @@ def launches(monkeypatch):
 def test_builtin_cold_start_under_deepspeed_runs_in_one_process_before_the_launch(tmp_path, capsys, launches,
                                                                                   launcher):
     """DeepSpeed processes cannot run the SFT (one DeepSpeed Accelerator per process): `trl-gspo` runs it first in
-    one plain process (`python -m trl_gspo.train cold-start`, no accelerate), then launches the DeepSpeed processes
-    from its output with sft_steps 0, and tells their end-of-run report so."""
+    one plain process (`python -m trl_gspo.launch.train cold-start`, no accelerate), then launches the DeepSpeed
+    processes from its output with sft_steps 0, and tells their end-of-run report so."""
     recipe = _recipe(tmp_path, BASE.format(out=tmp_path / "o") + "sft_steps: 5\n")
     assert main(["--config", recipe, *launcher, "--dry_run", "true"]) == 0 and launches == []
     assert "runs in one process before the DeepSpeed launch" in capsys.readouterr().out
     assert main(["--config", recipe, *launcher]) == 0
     (cold_start, _), (launch, env) = launches
-    assert cold_start[1:4] == ["-m", "trl_gspo.train", "cold-start"]  # a plain process: no accelerate launch
+    assert cold_start[1:4] == ["-m", "trl_gspo.launch.train", "cold-start"]  # a plain process: no accelerate launch
     assert cold_start[4:] == ["--config", recipe, *launcher]
     initial = str(tmp_path / "o" / "initial_model")
     assert launch[-4:] == ["--model_name_or_path", initial, "--sft_steps", "0"]  # last: they win over the recipe
-    assert "accelerate.commands.launch" in launch and "trl_gspo.train" in launch
+    assert "accelerate.commands.launch" in launch and "trl_gspo.launch.train" in launch
     assert env["TRL_GSPO_COLD_START_BEFORE_LAUNCH"] == f"cold start: ran before the DeepSpeed launch, in one process " \
                                                       f"(sft_steps 5): {initial}"
     out = capsys.readouterr().out
@@ -212,7 +212,7 @@ def test_builtin_cold_start_on_several_deepspeed_nodes_is_refused_before_launch(
                  "--num_machines", "2", "--num_processes", "2", "--machine_rank", "0", "--main_process_ip",
                  "127.0.0.1"]) == 2
     err = capsys.readouterr().err
-    assert "`sft_steps` with DeepSpeed on several nodes" in err and "python -m trl_gspo.train cold-start" in err
+    assert "`sft_steps` with DeepSpeed on several nodes" in err and "python -m trl_gspo.launch.train cold-start" in err
     assert launches == [] and not (tmp_path / "o").exists()
 
 
@@ -226,13 +226,13 @@ def test_sft_steps_with_a_model_that_is_not_builtin_is_refused_under_deepspeed(t
 
 
 def test_a_deepspeed_process_launched_by_hand_refuses_the_cold_start(tmp_path, monkeypatch):
-    """`accelerate launch` with DeepSpeed and `-m trl_gspo.train` by hand: the process cannot run the SFT, and says
-    which command can."""
+    """`accelerate launch` with DeepSpeed and `-m trl_gspo.launch.train` by hand: the process cannot run the SFT, and
+    says which command can."""
     from trl import ModelConfig
 
     from trl_gspo import GSPOConfig
-    from trl_gspo.recipe import GSPOScriptArguments, RecipeError
-    from trl_gspo.train import _prepare_builtin_model
+    from trl_gspo.launch.recipe import GSPOScriptArguments, RecipeError
+    from trl_gspo.launch.train import _prepare_builtin_model
 
     monkeypatch.setenv("ACCELERATE_USE_DEEPSPEED", "true")
     script = GSPOScriptArguments(dataset_name="builtin:addition", reward_funcs=["digit_match_reward"], sft_steps=5)
@@ -246,13 +246,13 @@ def test_builtin_cold_start_runs_in_one_process_before_an_fsdp_launch(tmp_path, 
     """An FSDP process's SFT trainer would shard the model it must save (measured with FSDP2 on one CPU process,
     tests/scripts/fsdp_cpu.py: `save_pretrained` failed on the sharded storage): as before a DeepSpeed launch, the
     cold start runs first in one plain process, and the FSDP processes start from its output with sft_steps 0."""
-    monkeypatch.setattr("trl_gspo.recipe.has_accelerator", lambda: True)
+    monkeypatch.setattr("trl_gspo.launch.checks.has_accelerator", lambda: True)
     recipe = _recipe(tmp_path, BASE.format(out=tmp_path / "o").replace("use_cpu: true", "use_cpu: false")
                      + "sft_steps: 5\n")
     fsdp2 = ["--accelerate_config", str(ROOT / "recipes/accelerate/fsdp2.yaml"), "--num_processes", "1"]
     assert main(["--config", recipe, *fsdp2]) == 0
     (cold_start, _), (launch, env) = launches
-    assert cold_start[1:4] == ["-m", "trl_gspo.train", "cold-start"]
+    assert cold_start[1:4] == ["-m", "trl_gspo.launch.train", "cold-start"]
     initial = str(tmp_path / "o" / "initial_model")
     assert launch[-4:] == ["--model_name_or_path", initial, "--sft_steps", "0"]
     assert env["TRL_GSPO_COLD_START_BEFORE_LAUNCH"].startswith("cold start: ran before the FSDP launch")
@@ -263,8 +263,8 @@ def test_an_fsdp_process_launched_by_hand_refuses_the_cold_start(tmp_path, monke
     from trl import ModelConfig
 
     from trl_gspo import GSPOConfig
-    from trl_gspo.recipe import GSPOScriptArguments, RecipeError
-    from trl_gspo.train import _prepare_builtin_model
+    from trl_gspo.launch.recipe import GSPOScriptArguments, RecipeError
+    from trl_gspo.launch.train import _prepare_builtin_model
 
     monkeypatch.setenv("ACCELERATE_USE_FSDP", "true")
     script = GSPOScriptArguments(dataset_name="builtin:addition", reward_funcs=["digit_match_reward"], sft_steps=5)
@@ -281,7 +281,7 @@ def test_reward_names_come_from_trls_registry():
 
     import trl.rewards
 
-    from trl_gspo.rewards import reward_registry
+    from trl_gspo.launch.rewards import reward_registry
 
     registry = reward_registry()
     exported = {name for name in trl.rewards.__all__ if inspect.isfunction(getattr(trl.rewards, name))}

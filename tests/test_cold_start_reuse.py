@@ -8,9 +8,9 @@ from trl import ModelConfig
 
 import trl_gspo.quickstart.cold_start as cold_start_module
 from trl_gspo import GSPOConfig
-from trl_gspo.recipe import GSPOScriptArguments
+from trl_gspo.launch.recipe import GSPOScriptArguments
 from trl_gspo.quickstart import reuse
-from trl_gspo.train import _prepare_builtin_model
+from trl_gspo.launch.train import _prepare_builtin_model
 
 
 @pytest.fixture

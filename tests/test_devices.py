@@ -7,8 +7,8 @@ from trl import ModelConfig
 
 import trl_gspo.quickstart.cold_start as cold_start_module
 from trl_gspo import GSPOConfig
-from trl_gspo.recipe import GSPOScriptArguments
-from trl_gspo.train import _prepare_builtin_model
+from trl_gspo.launch.recipe import GSPOScriptArguments
+from trl_gspo.launch.train import _prepare_builtin_model
 
 
 def _accelerate_cpu_flag():
@@ -89,7 +89,7 @@ def test_has_accelerator_answers_for_the_probed_device(monkeypatch, available, k
     """Both branches of the FSDP decision's probe, whatever this machine has: torch's answer is faked."""
     import torch
 
-    from trl_gspo.recipe import has_accelerator
+    from trl_gspo.launch.checks import has_accelerator
 
     monkeypatch.setattr(torch.accelerator, "is_available", lambda: available)
     monkeypatch.setattr(torch.accelerator, "current_accelerator",

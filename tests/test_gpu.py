@@ -45,8 +45,8 @@ def _cli(device: str, *args, timeout=600) -> subprocess.CompletedProcess:
     hardware = ["--use_cpu", "false", "--bf16", "true"] if device == "cuda" else ["--use_cpu", "true", "--bf16",
                                                                                  "false"]
     env = dict(os.environ, HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
-    result = subprocess.run([sys.executable, "-m", "trl_gspo.cli", *args, *hardware], capture_output=True, text=True,
-                            env=env, timeout=timeout, cwd=ROOT)
+    result = subprocess.run([sys.executable, "-m", "trl_gspo.launch.cli", *args, *hardware], capture_output=True,
+                            text=True, env=env, timeout=timeout, cwd=ROOT)
     assert result.returncode == 0, result.stderr[-4000:]
     return result
 

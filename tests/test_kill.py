@@ -50,7 +50,7 @@ def test_forwarded_signal_ends_the_whole_tree(signum):
         for p in procs: p.wait()
     """)
     wrapper = subprocess.Popen([sys.executable, "-c",
-                                "import sys; from trl_gspo.launching import run_forwarding_signals; "
+                                "import sys; from trl_gspo.launch.launching import run_forwarding_signals; "
                                 f"sys.exit(run_forwarding_signals([sys.executable, '-c', {launched!r}], "
                                 "grace_seconds=2.0))"], cwd=ROOT, env=cpu_env())
     tree = _tree(wrapper.pid, expected=4)  # the launched command and its three children
@@ -61,7 +61,7 @@ def test_forwarded_signal_ends_the_whole_tree(signum):
 
 
 def test_exit_code_of_the_command_is_returned():
-    from trl_gspo.launching import run_forwarding_signals
+    from trl_gspo.launch.launching import run_forwarding_signals
 
     assert run_forwarding_signals([sys.executable, "-c", "raise SystemExit(3)"]) == 3
     assert run_forwarding_signals([sys.executable, "-c", "import os, signal; os.kill(os.getpid(), signal.SIGTERM)"]) \
@@ -99,15 +99,15 @@ def test_sigterm_during_training_leaves_no_process_and_no_writes(tmp_path):
     # ROOT first, then whatever PYTHONPATH the run has (a GPU image with the dependencies on a --target path)
     env = cpu_env(TOKENIZERS_PARALLELISM="false",
                   PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
-    command = subprocess.Popen([sys.executable, "-m", "trl_gspo.cli", "--config", str(recipe)], cwd=ROOT, env=env,
-                               stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    command = subprocess.Popen([sys.executable, "-m", "trl_gspo.launch.cli", "--config", str(recipe)], cwd=ROOT,
+                               env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     deadline = time.monotonic() + 240
     while not list(out.glob("checkpoint-2/trainer_state.json")):
         assert command.poll() is None, command.stderr.read()[-3000:]
         assert time.monotonic() < deadline, "no checkpoint within 240 s"
         time.sleep(0.2)
     tree = psutil.Process(command.pid).children(recursive=True)
-    assert any("trl_gspo.train" in " ".join(p.cmdline()) for p in tree)  # the training process is a descendant
+    assert any("trl_gspo.launch.train" in " ".join(p.cmdline()) for p in tree)  # the training process is a descendant
     command.send_signal(signal.SIGTERM)
     assert command.wait(timeout=60) == 128 + signal.SIGTERM
     assert _alive(tree) == []

@@ -13,11 +13,12 @@ from pathlib import Path
 import pytest
 from conftest import cpu_env
 
-import trl_gspo.launching
-import trl_gspo.recipe
-from trl_gspo.cli import main, parse_recipe
-from trl_gspo.recipe import RecipeError, launcher_type
-from trl_gspo.train import check_distributed_setup
+import trl_gspo.launch.checks
+import trl_gspo.launch.launching
+from trl_gspo.config import GSPOConfig
+from trl_gspo.launch.cli import main, parse_recipe
+from trl_gspo.launch.recipe import RecipeError, launcher_type
+from trl_gspo.launch.train import check_distributed_setup
 
 ROOT = Path(__file__).resolve().parents[1]
 RECIPE = """
@@ -41,7 +42,8 @@ def _recipe(tmp_path, use_cpu="true", extra=""):
 def launched(monkeypatch):
     """The command `trl-gspo` would run, instead of running it."""
     commands = []
-    monkeypatch.setattr(trl_gspo.launching, "run_forwarding_signals", lambda cmd, **kw: commands.append(cmd) or 0)
+    monkeypatch.setattr(trl_gspo.launch.launching, "run_forwarding_signals",
+                        lambda cmd, **kw: commands.append(cmd) or 0)
     return commands
 
 
@@ -56,7 +58,7 @@ def test_trl_fsdp_names_resolve_to_an_fsdp_launch(tmp_path, name):
 @pytest.mark.parametrize("launcher", [["--accelerate_config", "fsdp1"], ["--accelerate_config", "fsdp2"],
                                       ["--use_fsdp", "--fsdp_version", "2"]])
 def test_fsdp_without_an_accelerator_is_refused_before_launch(tmp_path, capsys, monkeypatch, launched, launcher):
-    monkeypatch.setattr(trl_gspo.recipe, "has_accelerator", lambda: False)
+    monkeypatch.setattr(trl_gspo.launch.checks, "has_accelerator", lambda: False)
     assert main(["--config", _recipe(tmp_path, use_cpu="false"), *launcher]) == 2
     err = capsys.readouterr().err
     assert err.startswith("trl-gspo: error: `accelerate_config`: FSDP needs a GPU") and "cpu_ddp.yaml" in err
@@ -67,21 +69,21 @@ def test_fsdp_without_an_accelerator_is_refused_before_launch(tmp_path, capsys, 
 
 
 def test_fsdp_with_an_accelerator_is_launched_unless_the_recipe_asks_for_cpu(tmp_path, capsys, monkeypatch, launched):
-    monkeypatch.setattr(trl_gspo.recipe, "has_accelerator", lambda: True)
+    monkeypatch.setattr(trl_gspo.launch.checks, "has_accelerator", lambda: True)
     assert main(["--config", _recipe(tmp_path, use_cpu="true"), "--accelerate_config", "fsdp2"]) == 2
     assert "the recipe sets `use_cpu: true`" in capsys.readouterr().err
     assert main(["--config", _recipe(tmp_path, use_cpu="false"), "--accelerate_config", "fsdp2"]) == 0
     (command,) = launched
-    assert command[command.index("--config_file") + 1].endswith("fsdp2.yaml") and "trl_gspo.train" in command
+    assert command[command.index("--config_file") + 1].endswith("fsdp2.yaml") and "trl_gspo.launch.train" in command
 
 
 def test_the_launched_process_refuses_fsdp_it_did_not_get(monkeypatch):
-    """`accelerate launch -m trl_gspo.train` by hand: the FSDP flag is set, but accelerate runs on CPU."""
+    """`accelerate launch -m trl_gspo.launch.train` by hand: the FSDP flag is set, but accelerate runs on CPU."""
     monkeypatch.setenv("ACCELERATE_USE_FSDP", "true")
     with pytest.raises(RecipeError, match="FSDP needs a GPU.*runs on cpu"):
-        check_distributed_setup(trl_gspo.recipe.GSPOConfig(output_dir="unused", use_cpu=True, report_to="none"))
+        check_distributed_setup(GSPOConfig(output_dir="unused", use_cpu=True, report_to="none"))
     monkeypatch.setenv("ACCELERATE_USE_FSDP", "false")
-    check_distributed_setup(trl_gspo.recipe.GSPOConfig(output_dir="unused", use_cpu=True, report_to="none"))
+    check_distributed_setup(GSPOConfig(output_dir="unused", use_cpu=True, report_to="none"))
 
 
 
@@ -98,10 +100,10 @@ def test_the_launched_process_accepts_fsdp_on_an_accelerator(monkeypatch):
 
     monkeypatch.setattr("accelerate.PartialState", lambda cpu=False: GpuState())
     monkeypatch.setenv("ACCELERATE_USE_FSDP", "true")
-    check_distributed_setup(trl_gspo.recipe.GSPOConfig(output_dir="unused", use_cpu=False, bf16=False, report_to="none"))
+    check_distributed_setup(GSPOConfig(output_dir="unused", use_cpu=False, bf16=False, report_to="none"))
     GpuState.distributed_type = DistributedType.MULTI_CPU
     with pytest.raises(RecipeError, match="FSDP needs a GPU"):
-        check_distributed_setup(trl_gspo.recipe.GSPOConfig(output_dir="unused", use_cpu=False, bf16=False, report_to="none"))
+        check_distributed_setup(GSPOConfig(output_dir="unused", use_cpu=False, bf16=False, report_to="none"))
 
 CPU_FSDP2 = """
 compute_environment: LOCAL_MACHINE
@@ -130,7 +132,7 @@ def test_fsdp2_on_two_cpu_processes_is_refused_by_each(tmp_path):
         port = sock.getsockname()[1]
     result = subprocess.run(
         [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(config), "--main_process_port",
-         str(port), "-m", "trl_gspo.train", "--config", _recipe(tmp_path), "--max_steps", "1"],
+         str(port), "-m", "trl_gspo.launch.train", "--config", _recipe(tmp_path), "--max_steps", "1"],
         capture_output=True, text=True, timeout=300, env=cpu_env(OMP_NUM_THREADS="1"))
     assert result.returncode != 0
     assert result.stderr.count("trl-gspo: error: `accelerate_config`: FSDP needs a GPU") == 2

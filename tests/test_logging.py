@@ -39,7 +39,7 @@ def test_math_recipe_rewards_resolve_and_score():
     """The real-model recipes name TRL's accuracy_reward (math-verify) and think_format_reward."""
     from types import SimpleNamespace
 
-    from trl_gspo.rewards import resolve_rewards
+    from trl_gspo.launch.rewards import resolve_rewards
 
     skip_without_math_verify(["accuracy_reward"])
 

@@ -10,7 +10,7 @@ import pytest
 from conftest import cpu_env, skip_without_math_verify
 import yaml
 
-from trl_gspo.cli import main
+from trl_gspo.launch.cli import main
 
 ROOT = Path(__file__).resolve().parents[1]
 FOLDER = ROOT / "recipes" / "granite_3b_a800m"
@@ -63,7 +63,7 @@ def test_trio_resolves_with_dry_run(name, gpu, capsys, monkeypatch, fake_acceler
     skip_without_math_verify(_load(name)["reward_funcs"])
     fake_accelerator(gpu)  # both branches of the dry run's "is there a GPU?" decision, on any machine
     probed = []  # the hub dataset is not cached offline; the probe only records what it was asked (as test_cli)
-    monkeypatch.setattr("trl_gspo.recipe._probe_dataset", lambda key, path, config: probed.append((key, path)))
+    monkeypatch.setattr("trl_gspo.launch.checks._probe_dataset", lambda key, path, config: probed.append((key, path)))
     assert main(["--config", str(FOLDER / f"{name}.yaml"), "--dry_run", "true"]) == 0
     assert probed == [("dataset_name", "trl-lib/DeepMath-103K")]
     out = capsys.readouterr().out
@@ -82,7 +82,7 @@ def test_preset_model_settings_train_a_tiny_granite_moe_with_replay(tmp_path):
                   use_cpu=True, bf16=False, gradient_checkpointing=False, output_dir=str(tmp_path / "out"))
     path = tmp_path / "recipe.yaml"
     path.write_text(yaml.safe_dump(recipe))
-    result = subprocess.run([sys.executable, "-m", "trl_gspo.train", "--config", str(path)], capture_output=True,
+    result = subprocess.run([sys.executable, "-m", "trl_gspo.launch.train", "--config", str(path)], capture_output=True,
                             text=True, timeout=600, env=cpu_env(OMP_NUM_THREADS="1"))
     assert result.returncode == 0, result.stderr[-3000:]
     state = yaml.safe_load((tmp_path / "out" / "trainer_state.json").read_text())  # JSON is YAML

@@ -61,7 +61,7 @@ def _node_command(recipe, backend, output_dir, machine_rank, port, *extra) -> li
               "--main_process_ip": "127.0.0.1", "--main_process_port": str(port), "--num_machines": "2"}
     readme = readme_multinode_command()
     assert readme[0] == "trl-gspo" and set(readme[1::2]) == set(values), readme  # options: exactly these
-    command = [sys.executable, "-m", "trl_gspo.cli"]
+    command = [sys.executable, "-m", "trl_gspo.launch.cli"]
     for option in readme[1::2]:
         command += [option, values[option]]
     return command + ["--accelerate_config", str(CONFIGS[backend]), "--output_dir", str(output_dir), *extra]
@@ -110,7 +110,7 @@ def one_node_runs(tmp_path_factory):
     runs = {}
     for backend in CONFIGS:
         tmp = tmp_path_factory.mktemp(f"one_node_{backend}")
-        command = [sys.executable, "-m", "trl_gspo.cli", "--config", str(_recipe(tmp)), "--accelerate_config",
+        command = [sys.executable, "-m", "trl_gspo.launch.cli", "--config", str(_recipe(tmp)), "--accelerate_config",
                    str(CONFIGS[backend]), "--num_processes", "2", "--main_process_port", str(_free_port()),
                    "--output_dir", str(tmp / "out")]
         [(code, _, stderr)] = _finish([_start(command)])
@@ -339,7 +339,7 @@ def test_join_timeout_and_port_probe():
     from accelerate.commands.launch import launch_command_parser
 
     def options(*args):
-        return launch_command_parser().parse_args([*args, "--module", "trl_gspo.train"])
+        return launch_command_parser().parse_args([*args, "--module", "trl_gspo.launch.train"])
 
     assert multinode.join_timeout(options()) == multinode.DEFAULT_JOIN_TIMEOUT_SECONDS
     assert multinode.join_timeout(options("--rdzv_conf", "read_timeout=3,timeout=42")) == 42

@@ -141,7 +141,8 @@ def test_cli_quickstart_with_cold_start_on_two_ddp_processes(tmp_path):
     """`trl-gspo` on the built-in model under two DDP processes: every rank takes part in the SFT cold start (a
     rank-0-only cold start released the other rank from its barrier before the model existed), one summary is
     printed, the final model is saved, and the process exits 0."""
-    command = [sys.executable, "-m", "trl_gspo.cli", "--config", str(ACCELERATE_CONFIGS.parent / "quickstart.yaml"),
+    command = [sys.executable, "-m", "trl_gspo.launch.cli",
+               "--config", str(ACCELERATE_CONFIGS.parent / "quickstart.yaml"),
                "--accelerate_config", str(ACCELERATE_CONFIGS / "cpu_ddp.yaml"), "--main_process_port",
                str(_free_port()), "--output_dir", str(tmp_path / "out"), "--sft_steps", "20", "--max_steps", "4",
                "--per_device_train_batch_size", "16", "--logging_steps", "2"]

@@ -47,7 +47,7 @@ def test_quickstart_recipe_learns(tmp_path):
     out = tmp_path / "quickstart"
     env = cpu_env()
     result = subprocess.run(
-        [sys.executable, "-m", "trl_gspo.cli", "--config", str(ROOT / "recipes" / "quickstart.yaml"),
+        [sys.executable, "-m", "trl_gspo.launch.cli", "--config", str(ROOT / "recipes" / "quickstart.yaml"),
          "--output_dir", str(out)],
         capture_output=True, text=True, env=env, timeout=900,
     )

@@ -11,12 +11,12 @@ from pathlib import Path
 import pytest
 from conftest import cpu_env
 
-import trl_gspo.launching
+import trl_gspo.launch.launching
 import trl_gspo.quickstart.model
 import trl_gspo.quickstart.tools
-from trl_gspo.cli import main
+from trl_gspo.launch.cli import main
 from trl_gspo.quickstart.tools import CalculatorEnv, add, tool_answer_reward
-from trl_gspo.reporting import RunReportCallback, summarize
+from trl_gspo.launch.reporting import RunReportCallback, summarize
 
 ROOT = Path(__file__).resolve().parents[1]
 RECIPE = ROOT / "recipes" / "quickstart_tools.yaml"
@@ -46,7 +46,7 @@ def no_model(monkeypatch):
     monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", loaded)
     monkeypatch.setattr(trl_gspo.quickstart.model, "build_model", loaded)
     monkeypatch.setattr(trl_gspo.quickstart.tools, "build_tool_model", loaded)
-    monkeypatch.setattr(trl_gspo.launching, "run_forwarding_signals", loaded)
+    monkeypatch.setattr(trl_gspo.launch.launching, "run_forwarding_signals", loaded)
 
 
 def _recipe(tmp_path, replace=(), extra=""):
@@ -79,8 +79,8 @@ def test_the_tools_recipe_dry_runs_and_names_its_tools(capsys, no_model):
 
 
 def test_tool_names_resolve_from_the_registry_and_dotted_paths(tmp_path):
-    from trl_gspo.cli import parse_recipe
-    from trl_gspo.tool_registry import resolve_tools
+    from trl_gspo.launch.cli import parse_recipe
+    from trl_gspo.launch.tool_registry import resolve_tools
 
     script, *_ = parse_recipe([_recipe(tmp_path, replace=[("tools: [add]\n", "")],
                                        extra="environment_factory: CalculatorEnv\n")])
@@ -149,7 +149,7 @@ def test_the_measured_error_result_is_what_trls_tool_loop_appends():
     from trl import GRPOTrainer
 
     from trl_gspo.quickstart.tools import build_tool_tokenizer
-    from trl_gspo.tool_registry import SAMPLE_ERROR, _measure
+    from trl_gspo.launch.tool_registry import SAMPLE_ERROR, _measure
 
     tokenizer = build_tool_tokenizer()
     error = {"role": "tool", "name": "add", "content": str({"error": SAMPLE_ERROR.format(name="add")})}
@@ -168,8 +168,8 @@ def test_without_a_tokenizer_on_disk_the_figure_is_a_rough_estimate(tmp_path):
     from trl import ModelConfig
 
     from trl_gspo import GSPOConfig
-    from trl_gspo.recipe import GSPOScriptArguments
-    from trl_gspo.tool_registry import tool_budget_warning
+    from trl_gspo.launch.recipe import GSPOScriptArguments
+    from trl_gspo.launch.tool_registry import tool_budget_warning
 
     script = GSPOScriptArguments(tools=["add"])
     model = ModelConfig(model_name_or_path="no-such-org/no-such-model")  # not cached: nothing is downloaded
@@ -235,7 +235,7 @@ def test_sft_correct_fraction_does_not_apply_to_the_tool_model(tmp_path, capsys,
 def test_a_loaded_plain_text_dataset_with_tools_is_refused_before_the_model(tmp_path, capsys, no_model):
     """A dataset whose format is only known once loaded: the launched entry point refuses plain-text prompts with
     tools after loading it, before building the model."""
-    from trl_gspo.train import main as train_main
+    from trl_gspo.launch.train import main as train_main
 
     data = tmp_path / "prompts.json"
     data.write_text("\n".join(json.dumps({"prompt": f"add {i} 1", "answer": str(i + 1)}) for i in range(64)))
@@ -251,7 +251,7 @@ def test_a_loaded_plain_text_dataset_with_tools_is_refused_before_the_model(tmp_
 
 
 def test_the_tool_answer_reward_is_registered():
-    from trl_gspo.rewards import reward_registry
+    from trl_gspo.launch.rewards import reward_registry
 
     assert reward_registry()["tool_answer_reward"] is tool_answer_reward
 
@@ -300,7 +300,7 @@ def test_the_tools_recipe_runs_through_trl_gspo(tmp_path):
     per-turn credit, R3 across turns), shortened: 20 cold-start steps and 8 RL steps (two rollout batches)."""
     out = tmp_path / "tools"
     result = subprocess.run(
-        [sys.executable, "-m", "trl_gspo.cli", "--config", str(RECIPE), "--output_dir", str(out),
+        [sys.executable, "-m", "trl_gspo.launch.cli", "--config", str(RECIPE), "--output_dir", str(out),
          "--sft_steps", "20", "--max_steps", "8", "--logging_steps", "4", "--plot", "false"],
         capture_output=True, text=True, env=cpu_env(), timeout=600,
     )
@@ -329,7 +329,7 @@ def test_the_tools_recipe_runs_under_deepspeed_in_one_command(tmp_path):
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
     result = subprocess.run(
-        [sys.executable, "-m", "trl_gspo.cli", "--config", str(RECIPE), "--accelerate_config",
+        [sys.executable, "-m", "trl_gspo.launch.cli", "--config", str(RECIPE), "--accelerate_config",
          str(ROOT / "recipes/accelerate/cpu_zero3.yaml"), "--num_processes", "2", "--ddp_backend", "gloo",
          "--main_process_port", str(port), "--output_dir", str(out), "--sft_steps", "20",
          "--max_steps", "2", "--per_device_train_batch_size", "4", "--num_generations", "4",

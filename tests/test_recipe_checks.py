@@ -8,10 +8,10 @@ import textwrap
 import pytest
 from conftest import BASE_RECIPE as BASE
 
-import trl_gspo.launching
+import trl_gspo.launch.launching
 import trl_gspo.quickstart.model
 from trl_gspo import GSPOConfig
-from trl_gspo.cli import main
+from trl_gspo.launch.cli import main
 
 
 @pytest.fixture
@@ -25,7 +25,7 @@ def no_model(monkeypatch):
     monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", loaded)
     monkeypatch.setattr(trl_gspo.quickstart.model, "build_model", loaded)
     monkeypatch.setattr(trl_gspo.quickstart.model, "build_dense_model", loaded)
-    monkeypatch.setattr(trl_gspo.launching, "run_forwarding_signals", loaded)
+    monkeypatch.setattr(trl_gspo.launch.launching, "run_forwarding_signals", loaded)
 
 
 def _recipe(tmp_path, body=BASE, replace=(), extra=""):
@@ -89,7 +89,7 @@ def test_dataset_name_and_datasets_together(tmp_path, capsys, no_model):
 
 
 def test_the_launched_entry_point_reports_a_bad_recipe_in_one_line(tmp_path, capsys, no_model):
-    from trl_gspo.train import main as train_main
+    from trl_gspo.launch.train import main as train_main
 
     assert train_main([_recipe(tmp_path), "--num_generations", "0"]) == 2
     assert capsys.readouterr().err.strip() == ("trl-gspo: error: `num_generations` must be at least 2, got 0. Fix: "
@@ -197,7 +197,7 @@ def test_a_dataset_smaller_than_one_rollout_batch(tmp_path, capsys, no_model):
 def test_a_loaded_dataset_smaller_than_one_rollout_batch_is_refused_before_the_model(tmp_path, capsys, no_model):
     """A dataset whose size is only known once loaded (here a local JSON file through TRL's dataset mixture): the
     launched entry point refuses it after loading it, before building the model."""
-    from trl_gspo.train import main as train_main
+    from trl_gspo.launch.train import main as train_main
 
     data = tmp_path / "prompts.json"
     data.write_text("\n".join(json.dumps({"prompt": f"{i}+1="}) for i in range(3)))
@@ -212,7 +212,7 @@ def test_a_loaded_dataset_smaller_than_one_rollout_batch_is_refused_before_the_m
 
 
 def test_a_split_the_dataset_does_not_have(tmp_path, capsys, no_model):
-    from trl_gspo.train import main as train_main
+    from trl_gspo.launch.train import main as train_main
 
     data = tmp_path / "prompts.json"
     data.write_text("\n".join(json.dumps({"prompt": f"{i}+1="}) for i in range(64)))

@@ -13,7 +13,7 @@ import pytest
 import yaml
 from test_recipes_vllm import _commands, _gpus
 
-from trl_gspo.cli import main, parse_recipe
+from trl_gspo.launch.cli import main, parse_recipe
 
 ROOT = Path(__file__).resolve().parents[1]
 FOLDER = ROOT / "recipes" / "qwen3_30b_a3b" / "agentic"
@@ -84,7 +84,7 @@ def test_dry_run_from_the_repository_root(name, gpu, from_root, capsys, monkeypa
     fake_accelerator(gpu)
     monkeypatch.setattr(vllm, "installed_vllm_version", lambda: vllm.VLLM_RANGE[0])
     probed = []
-    monkeypatch.setattr("trl_gspo.recipe._probe_dataset", lambda key, path, config: probed.append(path))
+    monkeypatch.setattr("trl_gspo.launch.checks._probe_dataset", lambda key, path, config: probed.append(path))
     assert main(["--config", str(FOLDER / f"{name}.yaml"), "--dry_run", "true"]) == 0
     out = capsys.readouterr().out
     assert "recipe is valid" in out and probed == ["trl-lib/DeepMath-103K"]
@@ -117,7 +117,7 @@ def test_server_launch_commands():
     assert _gpus(accelerate) == trainer_gpus and words[1:3] == ["accelerate", "launch"]
     assert words[words.index("--config_file") + 1] == "recipes/accelerate/zero3_offload.yaml"
     assert words[words.index("--num_processes") + 1] == str(recipe["num_processes"])
-    assert words[-4:] == ["-m", "trl_gspo.train", "--config", config]
+    assert words[-4:] == ["-m", "trl_gspo.launch.train", "--config", config]
     assert (path.parent / recipe["accelerate_config"]).resolve() == ROOT / "recipes/accelerate/zero3_offload.yaml"
 
 
@@ -129,7 +129,7 @@ def test_colocate_launch_commands():
     config = f"recipes/qwen3_30b_a3b/agentic/{path.name}"
     assert trainer == f"trl-gspo --config {config}"
     assert accelerate == (f"accelerate launch --config_file recipes/accelerate/zero3_offload.yaml --num_processes "
-                          f"{recipe['num_processes']} -m trl_gspo.train --config {config}")
+                          f"{recipe['num_processes']} -m trl_gspo.launch.train --config {config}")
 
 
 @pytest.mark.parametrize("name", LAYOUTS)

@@ -15,7 +15,7 @@ import pytest
 import yaml
 from conftest import skip_without_math_verify
 
-from trl_gspo.cli import main
+from trl_gspo.launch.cli import main
 
 ROOT = Path(__file__).resolve().parents[1]
 TRIOS = {"qwen3_30b_a3b": ("gspo", "grpo", "grpo_routing_replay"), "granite_3b_a800m": ("gspo", "grpo", "grpo_replay")}
@@ -143,7 +143,7 @@ def test_server_layout_launch_commands(model):
         assert trainer.split()[1:] == ["trl-gspo", "--config", f"recipes/{model}/vllm_server/{name}.yaml"]
         assert len(trainer_gpus) == _processes(recipe) and _gpus(accelerate) == trainer_gpus
         words = accelerate.split()
-        assert words[1:3] == ["accelerate", "launch"] and words[-4:] == ["-m", "trl_gspo.train", "--config",
+        assert words[1:3] == ["accelerate", "launch"] and words[-4:] == ["-m", "trl_gspo.launch.train", "--config",
                                                                            f"recipes/{model}/vllm_server/{name}.yaml"]
         assert words[words.index("--num_processes") + 1] == str(_processes(recipe))
         if "accelerate_config" in recipe:
@@ -173,6 +173,6 @@ def test_dry_run_with_the_installed_vllm(model, layout, name, capsys, monkeypatc
     path = _path(model, layout, name)
     skip_without_math_verify(_load(path)["reward_funcs"])
     fake_accelerator(True)
-    monkeypatch.setattr("trl_gspo.recipe._probe_dataset", lambda key, path, config: None)  # offline: as test_cli
+    monkeypatch.setattr("trl_gspo.launch.checks._probe_dataset", lambda key, path, config: None)  # offline: as test_cli
     assert main(["--config", str(path), "--dry_run", "true"]) == 0
     assert "recipe is valid" in capsys.readouterr().out

@@ -184,7 +184,7 @@ def test_rollout_buffer_round_trip_and_layout_check(tmp_path):
 
 def test_cli_resolves_resume_before_launch(tmp_path, capsys):
     """`--resume_from_checkpoint latest` (and `true` in YAML) is checked by `trl-gspo` before any process starts."""
-    from trl_gspo.cli import main
+    from trl_gspo.launch.cli import main
 
     out = tmp_path / "run"
     recipe = tmp_path / "recipe.yaml"

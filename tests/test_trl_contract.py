@@ -261,7 +261,7 @@ def test_trl_reward_factories_we_build_exist_with_their_parameters():
     """rewards.TRL_FACTORY_DEFAULTS builds TRL's reward factories with `trl grpo`'s values."""
     import trl.rewards
 
-    from trl_gspo.rewards import TRL_FACTORY_DEFAULTS
+    from trl_gspo.launch.rewards import TRL_FACTORY_DEFAULTS
 
     for name, kwargs in TRL_FACTORY_DEFAULTS.items():
         assert name in trl.rewards.__all__, name

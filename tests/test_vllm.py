@@ -281,8 +281,9 @@ def _serving(root, model_dir, max_model_len=128, started=None):
     log_path = root / "server.log"
     with open(log_path, "w") as log:
         server = subprocess.Popen(
-            [sys.executable, "-m", "trl_gspo.cli", "vllm-serve", "--model", str(model_dir), "--host", "127.0.0.1",
-             "--port", str(port), "--max_model_len", str(max_model_len), "--enforce_eager", "true"],
+            [sys.executable, "-m", "trl_gspo.launch.cli", "vllm-serve", "--model", str(model_dir),
+             "--host", "127.0.0.1", "--port", str(port), "--max_model_len", str(max_model_len),
+             "--enforce_eager", "true"],
             stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
             env=cpu_env(VLLM_CPU_KVCACHE_SPACE="1", TOKENIZERS_PARALLELISM="false",
                         PYTHONPATH=vllm_cpu_engine.write_plugin(root / "plugin")))

@@ -6,10 +6,11 @@ a machine without a GPU. Never for real training: accelerate itself has no FSDP 
 
 What is patched, and only in the processes this script starts:
   cli     trl-gspo's "FSDP needs a GPU" launch check sees an accelerator, and it launches `accelerate launch` through
-          this script (`launch`), with this script (`train`) as the training script instead of `-m trl_gspo.train`.
+          this script (`launch`), with this script (`train`) as the training script instead of
+          `-m trl_gspo.launch.train`.
   launch  nothing: accelerate's own launcher (torchrun, one worker).
   train   accelerate's backend choice: a torchrun worker on the CPU gets (gloo, MULTI_GPU) on device `cpu`, which
-          AcceleratorState upgrades to FSDP as it would on a GPU; then `trl_gspo.train.main` runs unchanged, its
+          AcceleratorState upgrades to FSDP as it would on a GPU; then `trl_gspo.launch.train.main` runs unchanged, its
           own check_distributed_setup included (it sees what it sees on a GPU: MULTI_GPU in PartialState).
 """
 
@@ -22,18 +23,18 @@ sys.path.insert(0, ROOT)
 
 
 def cli(argv):
-    import trl_gspo.launching
-    import trl_gspo.recipe
+    import trl_gspo.launch.launching
+    import trl_gspo.launch.checks
 
-    trl_gspo.recipe.has_accelerator = lambda: True
+    trl_gspo.launch.checks.has_accelerator = lambda: True
 
     def launch_command(tokens):
         index = tokens.index("--module")
         tokens = tokens[:index] + [HERE, "train"] + tokens[index + 2:]
         return [sys.executable, HERE, "launch", *tokens]
 
-    trl_gspo.launching.accelerate_launch_command = launch_command
-    from trl_gspo.cli import main
+    trl_gspo.launch.launching.accelerate_launch_command = launch_command
+    from trl_gspo.launch.cli import main
 
     return main(argv)
 
@@ -76,7 +77,7 @@ def train(argv):
         return result
 
     trl_gspo.trainer.GSPOTrainer.train = train_and_report
-    from trl_gspo.train import main
+    from trl_gspo.launch.train import main
 
     return main(argv)
 

@@ -3,11 +3,12 @@
     trl-gspo recipe.yaml [--any_field value ...]       (or: trl-gspo --config recipe.yaml ...)
     trl-gspo vllm-serve --model M [...]                TRL's `trl vllm-serve`, plus MoE routes (sampling/serve.py)
 
-Recipe keys are described in `trl_gspo.recipe`. The command validates the recipe, then runs
-`accelerate launch -m trl_gspo.train <same arguments>`; running `accelerate launch [options] -m trl_gspo.train
---config recipe.yaml` yourself is equivalent, except under DeepSpeed with a built-in model's `sft_steps`: there the
-command first runs the cold start in one plain process (`python -m trl_gspo.train cold-start <same arguments>`) and
-launches the DeepSpeed processes from its `<output_dir>/initial_model` with `sft_steps 0`.
+Recipe keys are described in `trl_gspo.launch.recipe` (and checked by `trl_gspo.launch.checks`). The command
+validates the recipe, then runs `accelerate launch -m trl_gspo.launch.train <same arguments>`; running
+`accelerate launch [options] -m trl_gspo.launch.train --config recipe.yaml` yourself is equivalent, except under
+DeepSpeed with a built-in model's `sft_steps`: there the command first runs the cold start in one plain process
+(`python -m trl_gspo.launch.train cold-start <same arguments>`) and launches the DeepSpeed processes from its
+`<output_dir>/initial_model` with `sft_steps 0`.
 """
 
 from __future__ import annotations
@@ -16,11 +17,12 @@ import os
 import shlex
 import sys
 
+from ..checkpoints import check_resume_before_launch
 from . import launching, multinode
-from .checkpoints import check_resume_before_launch
+from .checks import check_launch, check_recipe
 from .recipe import (BUILTIN_PREFIX, COLD_START_LAUNCHERS, COLD_START_NOTE_ENV, GSPOScriptArguments,  # noqa: F401
-                     RecipeError, check_launch, check_recipe, cold_start_before_launch, describe, launch_options,
-                     launcher_type, make_parser, parse_recipe)
+                     RecipeError, cold_start_before_launch, describe, launch_options, launcher_type, make_parser,
+                     parse_recipe)
 from .rewards import resolve_rewards
 from .tool_registry import resolve_tools, tool_budget_warning
 
@@ -35,7 +37,7 @@ Trains with GSPO (or any TRL loss type) from a TRL-style YAML recipe; command-li
                                                    TRL's vLLM server, also returning MoE routes (server-mode R3)"""
 
 # Launched by module name: the command never imports the training code (or the trainer, or torch's models).
-TRAINING_MODULE = "trl_gspo.train"
+TRAINING_MODULE = "trl_gspo.launch.train"
 
 
 def _without(argv: list[str], tokens: list[str]) -> list[str]:
@@ -55,7 +57,7 @@ def _cold_start_before_launch(argv: list[str], script_args, training_args, model
     accelerate allows one DeepSpeed Accelerator per process; an FSDP process's SFT trainer would shard the model it
     must save), or reuse the one a run with the same inputs left.
     Returns `(exit code, path, a line for the end-of-run report)`."""
-    from .quickstart import reuse
+    from ..quickstart import reuse
 
     path = os.path.join(training_args.output_dir, "initial_model")
     # One process: the same inputs the cold-start process records (its SFT batch is not split over processes).
@@ -82,7 +84,7 @@ def main(argv: list[str] | None = None) -> int:
         print(USAGE, file=sys.stderr)
         return 2
     if argv[0] == "vllm-serve":  # TRL's vLLM server, returning MoE routes too (trl_gspo/sampling/serve.py)
-        from .sampling import serve
+        from ..sampling import serve
 
         return serve.main(argv[1:])
     note = ""
@@ -138,7 +140,7 @@ def main(argv: list[str] | None = None) -> int:
     note = multinode.join_note(*options)
     if note:
         print(note, flush=True)
-    # A child process group: SIGINT/SIGTERM to trl-gspo stop every training process too (trl_gspo/launching.py).
+    # A child process group: SIGINT/SIGTERM to trl-gspo stop every training process too (trl_gspo/launch/launching.py).
     returncode = launching.run_forwarding_signals(command, env=environment)
     if 0 < returncode < 128 and multinode.failure_hint(*options):  # a failure, not a stop by a signal
         print(multinode.failure_hint(*options), file=sys.stderr)

@@ -25,7 +25,7 @@ def reward_registry() -> dict:
     """Name -> reward callable, for every name `reward_funcs` accepts without a dotted path."""
     import trl.rewards
 
-    from .quickstart import addition, tools
+    from ..quickstart import addition, tools
 
     registry = {"digit_match_reward": addition.digit_match_reward, "exact_match_reward": addition.exact_match_reward,
                 "tool_answer_reward": tools.tool_answer_reward}

@@ -21,14 +21,14 @@ from .rewards import import_named
 
 def tool_registry() -> dict:
     """Name -> function, for every name `tools` accepts without a dotted path."""
-    from .quickstart import tools
+    from ..quickstart import tools
 
     return {"add": tools.add}
 
 
 def environment_registry() -> dict:
     """Name -> class, for every name `environment_factory` accepts without a dotted path."""
-    from .quickstart import tools
+    from ..quickstart import tools
 
     return {"CalculatorEnv": tools.CalculatorEnv}
 
@@ -123,7 +123,7 @@ def _recipe_tokenizer(model_args):
     (a local directory or the hub cache; nothing is downloaded and no remote code runs). `None` otherwise."""
     name = model_args.model_name_or_path or ""
     if name == "builtin:tiny-qwen3-moe-tools":
-        from .quickstart.tools import build_tool_tokenizer
+        from ..quickstart.tools import build_tool_tokenizer
 
         return build_tool_tokenizer()
     if name.startswith("builtin:"):

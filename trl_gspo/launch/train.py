@@ -1,9 +1,10 @@
-"""Training entry point: `python -m trl_gspo.train --config recipe.yaml` (what `trl-gspo` launches).
+"""Training entry point: `python -m trl_gspo.launch.train --config recipe.yaml` (what `trl-gspo` launches).
 
-Also runs under `accelerate launch [options] -m trl_gspo.train --config recipe.yaml`. `python -m trl_gspo.train
-cold-start --config recipe.yaml` only prepares the built-in model (with its SFT cold start) in this one process: what
-`trl-gspo` runs before a DeepSpeed launch, whose processes cannot run the SFT. Imports flow one way: the
-command (`trl_gspo.cli`) launches this module by name, this module uses `recipe`, `rewards` and the trainer.
+Also runs under `accelerate launch [options] -m trl_gspo.launch.train --config recipe.yaml`.
+`python -m trl_gspo.launch.train cold-start --config recipe.yaml` only prepares the built-in model (with its SFT cold
+start) in this one process: what `trl-gspo` runs before a DeepSpeed launch, whose processes cannot run the SFT.
+Imports flow one way: the command (`trl_gspo.launch.cli`) launches this module by name, this module uses `recipe`,
+`checks`, `rewards` and the trainer. (`python -m trl_gspo.train` still runs it, through the old path's shim.)
 """
 
 from __future__ import annotations
@@ -12,9 +13,10 @@ import os
 import sys
 import time
 
-from .recipe import (BUILTIN_MODELS, BUILTIN_PREFIX, COLD_START_NOTE_ENV, FSDP_WITHOUT_ACCELERATOR,
-                     SFT_UNDER_DEEPSPEED, SFT_UNDER_FSDP, RecipeError, check_conversational, check_dataset_size,
-                     check_recipe, describe, load_dataset, parse_recipe)
+from .checks import (FSDP_WITHOUT_ACCELERATOR, SFT_UNDER_DEEPSPEED, SFT_UNDER_FSDP, check_conversational,
+                     check_dataset_size, check_recipe)
+from .recipe import (BUILTIN_MODELS, BUILTIN_PREFIX, COLD_START_NOTE_ENV, RecipeError, describe, load_dataset,
+                     parse_recipe)
 from .rewards import resolve_rewards
 from .tool_registry import resolve_tools
 
@@ -28,10 +30,10 @@ def _prepare_builtin_model(script_args, training_args, model_args):
     from accelerate import PartialState
     from accelerate.utils import parse_flag_from_env
 
-    from .quickstart import model as builtin_models
-    from .quickstart.addition import make_sft_dataset
-    from .quickstart.cold_start import sft_cold_start
-    from .quickstart.tokenizer import build_tokenizer
+    from ..quickstart import model as builtin_models
+    from ..quickstart.addition import make_sft_dataset
+    from ..quickstart.cold_start import sft_cold_start
+    from ..quickstart.tokenizer import build_tokenizer
 
     name = model_args.model_name_or_path[len(BUILTIN_PREFIX):]
     if name not in BUILTIN_MODELS:
@@ -44,7 +46,7 @@ def _prepare_builtin_model(script_args, training_args, model_args):
         raise RecipeError(SFT_UNDER_DEEPSPEED)
     if script_args.sft_steps > 0 and parse_flag_from_env("ACCELERATE_USE_FSDP"):
         raise RecipeError(SFT_UNDER_FSDP)
-    from .quickstart import reuse
+    from ..quickstart import reuse
 
     inputs = reuse.cold_start_inputs(name, script_args, training_args.seed, state.num_processes)
     reusable = reuse.reusable(path, inputs)
@@ -60,7 +62,7 @@ def _prepare_builtin_model(script_args, training_args, model_args):
     # is distributed itself (its sampler splits the batch), and an SFT run on rank 0 alone would pair its collectives
     # with the other ranks' barrier and release them too early.
     if name == "tiny-qwen3-moe-tools":  # trl_gspo/quickstart/tools.py: SFT on tool-call transcripts
-        from .quickstart.tools import build_tool_model
+        from ..quickstart.tools import build_tool_model
 
         model, tokenizer = build_tool_model(sft_steps=script_args.sft_steps, seed=training_args.seed,
                                             learning_rate=script_args.sft_learning_rate,
@@ -91,7 +93,8 @@ def _prepare_builtin_model(script_args, training_args, model_args):
 
 def check_distributed_setup(training_args) -> None:
     """Refuse an FSDP launch that accelerate would run without FSDP: on CPU it falls back to plain data parallelism
-    (FSDP2) or fails after the model is loaded (FSDP1), for `accelerate launch -m trl_gspo.train` run by hand too."""
+    (FSDP2) or fails after the model is loaded (FSDP1), for `accelerate launch -m trl_gspo.launch.train` run by hand
+    too."""
     from accelerate import PartialState
     from accelerate.utils import DistributedType, parse_flag_from_env
 
@@ -109,8 +112,8 @@ def check_distributed_setup(training_args) -> None:
 
 def check_checkpoint_storage(training_args) -> None:
     """On several nodes: refuse, before any model loads, an output_dir the nodes do not share (no node could resume
-    its checkpoints) and `save_on_each_node` (trl_gspo/multinode.storage_problem says why). Every process reaches the
-    same answer."""
+    its checkpoints) and `save_on_each_node` (`multinode.storage_problem` says why). Every process reaches the same
+    answer."""
     from accelerate.utils import parse_flag_from_env
 
     from . import multinode
@@ -127,8 +130,8 @@ def check_checkpoint_storage(training_args) -> None:
 def run(script_args, training_args, model_args, dataset_args) -> "GSPOTrainer":  # noqa: F821
     from trl import get_peft_config, get_quantization_config
 
+    from ..trainer import GSPOTrainer
     from .reporting import RunReportCallback
-    from .trainer import GSPOTrainer
 
     check_recipe(script_args, training_args, model_args, dataset_args, probe_dataset=False)
     check_distributed_setup(training_args)
@@ -160,7 +163,7 @@ def run(script_args, training_args, model_args, dataset_args) -> "GSPOTrainer": 
 
     trainer_class, credit = GSPOTrainer, {}
     if script_args.failed_tool_credit is not None:  # per-turn credit for failed tool calls (gspo_token only)
-        from .multi_turn import ToolCreditGSPOTrainer
+        from ..multi_turn import ToolCreditGSPOTrainer
 
         trainer_class, credit = ToolCreditGSPOTrainer, {"failed_tool_credit": script_args.failed_tool_credit}
     trainer = trainer_class(
@@ -194,8 +197,8 @@ def run(script_args, training_args, model_args, dataset_args) -> "GSPOTrainer": 
 
 
 def cold_start(argv: list[str]) -> int:
-    """`python -m trl_gspo.train cold-start <recipe arguments>`: prepare the built-in model in this one process (no
-    accelerate launch, no DeepSpeed) and save it to `<output_dir>/initial_model`, or reuse it there."""
+    """`python -m trl_gspo.launch.train cold-start <recipe arguments>`: prepare the built-in model in this one
+    process (no accelerate launch, no DeepSpeed) and save it to `<output_dir>/initial_model`, or reuse it there."""
     try:
         # before_launch: this process sets up no process group, whatever `ddp_backend` the launch that follows uses
         script_args, training_args, model_args, dataset_args, _, _ = parse_recipe(argv, before_launch=True)

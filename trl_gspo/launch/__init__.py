@@ -1,0 +1,14 @@
+"""The launch side: what the `trl-gspo` command and the recipes use, beside the trainer's modules (as TRL keeps
+`trl/scripts/` beside `trl/trainer/`).
+
+- `cli`: the `trl-gspo` command; validates a recipe, then launches `train` by module name (never imports it).
+- `train`: the launched entry point (`python -m trl_gspo.launch.train`, `accelerate launch -m trl_gspo.launch.train`).
+- `recipe`: a recipe's YAML and command-line keys parsed into TRL's dataclasses, the built-in models and datasets,
+  the `accelerate launch` options, the summary of a run.
+- `checks`: what a parsed recipe must satisfy (values, dataset, tools, launcher), as `RecipeError`s.
+- `rewards`, `tool_registry`: rewards, tools and environments named in a recipe.
+- `launching`, `multinode`: the launcher's process tree and signals; several nodes.
+- `reporting`: the end-of-run summary and training curves.
+
+The old paths (`trl_gspo.cli`, `trl_gspo.train`, `trl_gspo.recipe`, ...) still import and run.
+"""

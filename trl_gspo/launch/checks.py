@@ -1,0 +1,286 @@
+"""Checks of a parsed recipe, before anything is launched and in each launched process: `RecipeError`s that name
+the key and the fix (values, the dataset, built-in model and task pairs, tools, the launcher, the dataset size).
+
+`recipe.py` reads a recipe into dataclasses; this module judges what it read. Used by the command
+(`trl_gspo.launch.cli`) and the launched entry point (`trl_gspo.launch.train`); imports neither, and no trainer.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+
+from .recipe import (BUILTIN_DATASETS, BUILTIN_MODELS, BUILTIN_PREFIX, BUILTIN_TASK_MODELS, COLD_START_LAUNCHERS,
+                     CONVERSATIONAL_BUILTIN_DATASETS, RecipeError, _check_builtin_dataset, cold_start_before_launch,
+                     launch_options, launched_machines, launched_processes, launcher_type)
+
+SFT_UNDER_DEEPSPEED = (
+    "`sft_steps` (the built-in SFT cold start) cannot run inside a DeepSpeed launch: accelerate allows one DeepSpeed "
+    "Accelerator per process, and the GSPO trainer needs it. Fix: launch with `trl-gspo` and an accelerate_config "
+    "that selects DeepSpeed (it runs the cold start in one process before the launch, then starts the DeepSpeed "
+    "processes from it), or cold-start once with one process or DDP (e.g. recipes/accelerate/cpu_ddp.yaml), then "
+    "launch DeepSpeed with `model_name_or_path: <that output_dir>/initial_model` and `sft_steps: 0`."
+)
+SFT_UNDER_FSDP = (
+    "`sft_steps` (the built-in SFT cold start) cannot run inside an FSDP launch: its SFT trainer would shard the model "
+    "too, and the sharded model cannot be saved for the GSPO trainer. Fix: launch with `trl-gspo` and an "
+    "accelerate_config that selects FSDP (it runs the cold start in one process before the launch), or cold-start "
+    "once with one process, then launch FSDP with `model_name_or_path: <that output_dir>/initial_model` and "
+    "`sft_steps: 0`."
+)
+
+
+FSDP_WITHOUT_ACCELERATOR = (
+    "`accelerate_config`: FSDP needs a GPU (or another accelerator), and {why}: accelerate has no FSDP on CPU and "
+    "would train two CPU processes with plain data parallelism instead, or fail after loading the model (measured, "
+    "see docs/recipes.md). Fix: on CPU use recipes/accelerate/cpu_ddp.yaml, or cpu_zero3.yaml to shard the "
+    "weights; keep fsdp1/fsdp2 for GPU machines."
+)
+
+
+def has_accelerator() -> bool:
+    """A device accelerate can run FSDP on (CUDA, XPU, NPU, ...; not Apple's MPS)."""
+    import torch
+
+    return torch.accelerator.is_available() and torch.accelerator.current_accelerator().type != "mps"
+
+
+def check_launch(script_args, training_args, model_args, launch_args: list[str], dry_run: bool = False) -> list[str]:
+    """Refuse (`RecipeError`) a launcher the recipe cannot run on; returns notes for a dry run.
+
+    A dry run validates a GPU recipe on a machine without one, so what only the launch machine can decide (is there
+    an accelerator for FSDP) is a note there and an error at launch.
+    """
+    from .multinode import launch_problems
+
+    notes = []
+    distributed_type = launcher_type(launch_args)
+    problems = launch_problems(*launch_options(launch_args), distributed_type, training_args.save_on_each_node)
+    if problems:
+        raise RecipeError("\n  ".join(problems))
+    if training_args.ddp_backend and distributed_type != "DEEPSPEED" and launched_processes(launch_args) == 1:
+        raise RecipeError(
+            f"`ddp_backend: {training_args.ddp_backend}` sets the process group of a multi-process launch, and this "
+            "launch starts one process, where accelerate fails with \"Default process group has not been "
+            "initialized\". Fix: remove ddp_backend, or launch several processes (e.g. `accelerate_config: "
+            "recipes/accelerate/cpu_ddp.yaml` on CPU, `num_processes: 8` on a GPU node)."
+        )
+    if distributed_type in COLD_START_LAUNCHERS and script_args.sft_steps > 0:
+        kind = COLD_START_LAUNCHERS[distributed_type]
+        if not cold_start_before_launch(script_args, model_args, launch_args):  # not a built-in model
+            raise RecipeError(
+                f"`sft_steps` {script_args.sft_steps} cold-starts a `builtin:` model, and model_name_or_path is "
+                f"{model_args.model_name_or_path!r} (a {kind} process could not run an SFT stage either). Fix: set "
+                "sft_steps: 0, or cold-start your model with `trl sft` first.")
+        if launched_machines(launch_args) > 1:  # every node's command would cold-start into the shared output_dir
+            raise RecipeError(
+                f"`sft_steps` with {kind} on several nodes: `trl-gspo` runs the built-in cold start in one process "
+                f"before a {kind} launch, and each node's command would run its own into the shared output_dir. "
+                "Fix: cold-start once, on one node: `python -m trl_gspo.launch.train cold-start --config RECIPE` (what "
+                "trl-gspo runs before a one-node launch; it writes <output_dir>/initial_model), then launch every node "
+                "with `--model_name_or_path <output_dir>/initial_model --sft_steps 0`.")
+        notes.append(f"(the built-in cold start, sft_steps {script_args.sft_steps}, runs in one process before the "
+                     f"{kind} launch, into "
+                     f"{os.path.join(training_args.output_dir, 'initial_model')}; the {kind} processes start from "
+                     "it with sft_steps 0)")
+    if distributed_type == "FSDP":
+        if training_args.use_cpu and has_accelerator():
+            raise RecipeError(FSDP_WITHOUT_ACCELERATOR.format(why="the recipe sets `use_cpu: true`"))
+        if not has_accelerator():
+            message = FSDP_WITHOUT_ACCELERATOR.format(why="this machine has none")
+            if not dry_run:
+                raise RecipeError(message)
+            notes.append(f"(launching here would be refused: {message})")
+    return notes
+
+
+def check_recipe(script_args, training_args, model_args, dataset_args, launch_args: list[str] | None = None,
+                 probe_dataset: bool = True) -> None:
+    """Everything about a recipe that can be checked offline and without a model; raises `RecipeError` naming the
+    key and the fix. Run by `trl-gspo` (also for `--dry_run`) before anything is launched, with its `accelerate
+    launch` options, and by each launched process before it loads a model (`launch_args=None`, `probe_dataset=False`:
+    it loads the dataset right after and checks its size exactly)."""
+    args = training_args  # its sizes (batch, generations, ...) are checked by GSPOConfig itself
+    if args.learning_rate < 0:
+        raise RecipeError(f"`learning_rate` must be >= 0, got {args.learning_rate}. Fix: e.g. learning_rate: 1e-6.")
+    if not args.temperature > 0:
+        raise RecipeError(f"`temperature` must be > 0 (completions are sampled), got {args.temperature}. Fix: e.g. "
+                          "temperature: 1.0.")
+    if args.max_steps <= 0 and not args.num_train_epochs > 0:
+        raise RecipeError(f"nothing to train: `max_steps` is {args.max_steps} and `num_train_epochs` is "
+                          f"{args.num_train_epochs}. Fix: set max_steps or num_train_epochs > 0.")
+    _check_output_dir(args.output_dir)
+    _check_model(model_args)
+    if script_args.sft_steps and not (script_args.dataset_name or "").startswith(BUILTIN_PREFIX):
+        raise RecipeError("`sft_steps` needs a `builtin:` dataset (it trains on the task's reference answers). "
+                          "Fix: set sft_steps: 0, or cold-start your model with `trl sft` first.")
+    _check_builtin_pair(script_args, model_args)
+    _check_tools(script_args, args, model_args)
+    size = _dataset_size(script_args, dataset_args, probe_dataset)
+    if size is not None and launch_args is not None:
+        check_dataset_size(size, args, script_args, launched_processes(launch_args))
+
+
+def check_dataset_size(size: int, training_args, script_args, processes: int = 1, launched: bool = False) -> None:
+    """Refuse a training split smaller than one rollout batch: TRL's sampler keeps only whole rollout batches, so the
+    run would end after 0 optimizer steps and save an untrained model. In a launched process (`launched=True`)
+    `generation_batch_size` already counts every process; before launch it is per process unless set explicitly."""
+    args = training_args
+    explicit = "generation_batch_size" in getattr(script_args, "explicit_keys", ())
+    completions = args.generation_batch_size * (1 if explicit or launched else processes)
+    prompts = completions // args.num_generations
+    if size < prompts:
+        batch = (f"generation_batch_size={completions}" if explicit else
+                 f"per_device_train_batch_size={args.per_device_train_batch_size} x {processes} process(es) x "
+                 f"steps_per_generation={args.steps_per_generation}")
+        raise RecipeError(
+            f"the training split has {size} prompts, fewer than one rollout batch: {prompts} prompts x "
+            f"{args.num_generations} generations = {completions} completions ({batch}); no optimizer step would "
+            f"run. Fix: use a larger dataset"
+            f"{' (builtin_num_examples)' if (script_args.dataset_name or '').startswith(BUILTIN_PREFIX) else ''}, "
+            "or lower per_device_train_batch_size / steps_per_generation."
+        )
+
+
+def _check_output_dir(output_dir: str) -> None:
+    """`output_dir` can be created and written: probed with a temporary directory in it, or in its nearest existing
+    parent (removed again), so a run does not train for minutes and then fail to save."""
+    import tempfile
+
+    path = os.path.abspath(output_dir)
+    existing = path
+    while not os.path.exists(existing):
+        existing = os.path.dirname(existing)
+    if not os.path.isdir(existing):
+        raise RecipeError(f"`output_dir`: {existing} is a file, so {output_dir!r} cannot be created. Fix: choose "
+                          "another output_dir.")
+    try:
+        os.rmdir(tempfile.mkdtemp(prefix=".trl-gspo-probe-", dir=existing))
+    except OSError as err:
+        raise RecipeError(f"`output_dir`: cannot create {output_dir!r} ({err.strerror} in {existing}). Fix: choose "
+                          "a writable output_dir.") from None
+
+
+def _check_model(model_args) -> None:
+    name = model_args.model_name_or_path
+    if not name:
+        raise RecipeError("`model_name_or_path` is not set. Fix: builtin:tiny-qwen3-moe, a hub id or a local path.")
+    if name.startswith(BUILTIN_PREFIX) and name[len(BUILTIN_PREFIX):] not in BUILTIN_MODELS:
+        raise RecipeError(f"`model_name_or_path`: unknown built-in {name!r}. Fix: use one of "
+                          f"{[BUILTIN_PREFIX + m for m in BUILTIN_MODELS]} or a hub id / local path.")
+
+
+def _builtin(name: str | None) -> str | None:
+    return name[len(BUILTIN_PREFIX):] if name and name.startswith(BUILTIN_PREFIX) else None
+
+
+def _check_builtin_pair(script_args, model_args) -> None:
+    """A built-in model with a built-in dataset: the task must be the model's (its tokenizer writes the task's
+    prompts, its cold start trains on the task's transcripts)."""
+    model, dataset = _builtin(model_args.model_name_or_path), _builtin(script_args.dataset_name)
+    if model in BUILTIN_MODELS and dataset in BUILTIN_TASK_MODELS and model not in BUILTIN_TASK_MODELS[dataset]:
+        task = next(t for t, models in BUILTIN_TASK_MODELS.items() if model in models)
+        raise RecipeError(
+            f"`model_name_or_path: builtin:{model}` is the model of the built-in task builtin:{task}, not of "
+            f"`dataset_name: builtin:{dataset}`. Fix: use model_name_or_path: "
+            f"builtin:{BUILTIN_TASK_MODELS[dataset][0]} with builtin:{dataset}, or dataset_name: builtin:{task}.")
+    if model == "tiny-qwen3-moe-tools" and "sft_correct_fraction" in getattr(script_args, "explicit_keys", ()):
+        raise RecipeError("`sft_correct_fraction` applies to the builtin:addition cold start; builtin:tiny-qwen3-moe-"
+                          "tools is cold-started on correct tool-call transcripts only, so it would be ignored. Fix: "
+                          "remove sft_correct_fraction (sft_steps and sft_learning_rate apply).")
+
+
+def _check_tools(script_args, training_args, model_args) -> None:
+    """`tools`, `environment_factory` and `failed_tool_credit` against the loss type, the dataset and the model;
+    names (and a string where a list belongs) are checked by `trl_gspo.launch.tool_registry.resolve_tools`."""
+    tools, environment = script_args.tools, script_args.environment_factory
+    credit = script_args.failed_tool_credit
+    uses_tools = bool(tools or environment)
+    if credit is not None:
+        if not math.isfinite(credit):
+            raise RecipeError(f"`failed_tool_credit` must be a finite number, got {credit}. Fix: e.g. "
+                              "failed_tool_credit: -0.5.")
+        if training_args.loss_type != "gspo_token":
+            raise RecipeError(
+                f"`failed_tool_credit` trains with ToolCreditGSPOTrainer, whose per-turn credit only loss_type: "
+                f"gspo_token uses (with loss_type: {training_args.loss_type} it would be silently ignored). Fix: set "
+                "loss_type: gspo_token, or remove failed_tool_credit.")
+        if not uses_tools:
+            raise RecipeError("`failed_tool_credit` credits the turns of failed tool calls, and the recipe gives the "
+                              "model no tools. Fix: add `tools: [add]` (or `environment_factory: CalculatorEnv`), or "
+                              "remove failed_tool_credit.")
+    dataset, model = _builtin(script_args.dataset_name), _builtin(model_args.model_name_or_path)
+    if uses_tools:
+        key = "tools" if tools else "environment_factory"
+        if dataset in BUILTIN_DATASETS and dataset not in CONVERSATIONAL_BUILTIN_DATASETS:
+            raise RecipeError(
+                f"`{key}` needs a conversational dataset (prompts as lists of messages, rendered with the chat "
+                f"template and the tools), and builtin:{dataset} has plain-text prompts. Fix: use dataset_name: "
+                "builtin:tool_addition (with model_name_or_path: builtin:tiny-qwen3-moe-tools), or remove "
+                f"{key}.")
+        if model in BUILTIN_MODELS and model != "tiny-qwen3-moe-tools":
+            raise RecipeError(
+                f"`{key}`: builtin:{model}'s tokenizer has no chat template, so it cannot render tools or parse tool "
+                "calls. Fix: use model_name_or_path: builtin:tiny-qwen3-moe-tools, or a model whose chat template "
+                "supports tools.")
+    elif dataset in CONVERSATIONAL_BUILTIN_DATASETS:
+        raise RecipeError(f"`dataset_name: builtin:{dataset}` is answered through the calculator tool "
+                          "(tool_answer_reward pays only an answer that used it), and the recipe gives the model no "
+                          "tools. Fix: add `tools: [add]` or `environment_factory: CalculatorEnv`.")
+
+
+def check_conversational(script_args, train_dataset) -> None:
+    """With tools, refuse a loaded dataset whose prompts are plain text (TRL's tool loop renders messages); called by
+    the launched process after loading the dataset, before the model."""
+    if not (script_args.tools or script_args.environment_factory) or not hasattr(train_dataset, "__len__"):
+        return
+    from trl.data_utils import is_conversational
+
+    if len(train_dataset) and not is_conversational(train_dataset[0]):
+        key = "tools" if script_args.tools else "environment_factory"
+        raise RecipeError(
+            f"`{key}` needs a conversational dataset (a `prompt` column of message lists), and "
+            f"{script_args.dataset_name or 'the dataset'}'s prompts are plain text. Fix: convert the prompts to "
+            "`[{\"role\": \"user\", \"content\": ...}]`, or remove " + key + ".")
+
+
+def _dataset_size(script_args, dataset_args, probe: bool) -> int | None:
+    """The training split's number of prompts where it is known without loading the data (`None` otherwise); checks
+    that the dataset exists: a built-in name, a local path, or a hub id `datasets` can resolve (its metadata only)."""
+    name = script_args.dataset_name
+    if name and dataset_args.datasets:  # `trl grpo` would use `datasets` and only log that `dataset_name` is ignored
+        raise RecipeError(f"both `dataset_name` ({name!r}) and `datasets` are set; one of them would be ignored. "
+                          "Fix: keep one (list several datasets under `datasets`).")
+    if name and name.startswith(BUILTIN_PREFIX):
+        _check_builtin_dataset(name)
+        return script_args.builtin_num_examples
+    if dataset_args.datasets:
+        for entry in dataset_args.datasets:
+            if probe:
+                _probe_dataset("datasets", entry.path, entry.name, data_dir=entry.data_dir, data_files=entry.data_files)
+        return None
+    if not name:
+        raise RecipeError("no dataset: set `dataset_name` (e.g. builtin:addition or a hub id) or `datasets`.")
+    if not probe:
+        return None
+    info = _probe_dataset("dataset_name", name, script_args.dataset_config)
+    split = (info.splits or {}).get(script_args.dataset_train_split) if info is not None else None
+    return split.num_examples if split is not None and split.num_examples else None
+
+
+def _probe_dataset(key: str, path: str, config_name: str | None, **data):
+    """The `DatasetInfo` of a hub dataset (metadata only, from the cache when offline); `None` for a local path."""
+    if os.path.exists(path):
+        return None
+    import datasets
+
+    try:
+        return datasets.load_dataset_builder(path, config_name, **data).info
+    except Exception as err:  # ConnectionError offline, DatasetNotFoundError, a wrong config name, ...
+        offline = datasets.config.HF_HUB_OFFLINE
+        raise RecipeError(
+            f"`{key}`: {path!r} is neither a local path nor a dataset `datasets` can load"
+            f"{' (offline mode: HF_HUB_OFFLINE / HF_DATASETS_OFFLINE is set and it is not cached)' if offline else ''}: "
+            f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}. Fix: check the name"
+            f"{' and dataset_config' if config_name else ''}, give a local path, or download it once online."
+        ) from None
