@@ -225,19 +225,21 @@ def test_sft_steps_with_a_model_that_is_not_builtin_is_refused_under_deepspeed(t
     assert launches == []
 
 
-def test_a_deepspeed_process_launched_by_hand_refuses_the_cold_start(tmp_path, monkeypatch):
-    """`accelerate launch` with DeepSpeed and `-m trl_gspo.launch.train` by hand: the process cannot run the SFT, and
-    says which command can."""
+@pytest.mark.parametrize("flag, launch", [("ACCELERATE_USE_DEEPSPEED", "a DeepSpeed"),
+                                          ("ACCELERATE_USE_FSDP", "an FSDP")])
+def test_a_process_launched_by_hand_refuses_the_cold_start(tmp_path, monkeypatch, flag, launch):
+    """`accelerate launch` with DeepSpeed or FSDP and `-m trl_gspo.launch.train` by hand: the process cannot run the
+    SFT, and says which command can."""
     from trl import ModelConfig
 
     from trl_gspo import GSPOConfig
     from trl_gspo.launch.recipe import GSPOScriptArguments, RecipeError
     from trl_gspo.launch.train import _prepare_builtin_model
 
-    monkeypatch.setenv("ACCELERATE_USE_DEEPSPEED", "true")
+    monkeypatch.setenv(flag, "true")
     script = GSPOScriptArguments(dataset_name="builtin:addition", reward_funcs=["digit_match_reward"], sft_steps=5)
     training = GSPOConfig(output_dir=str(tmp_path / "o"), use_cpu=True, bf16=False, report_to="none")
-    with pytest.raises(RecipeError, match="cannot run inside a DeepSpeed launch.*launch with `trl-gspo`"):
+    with pytest.raises(RecipeError, match=f"cannot run inside {launch} launch.*launch with `trl-gspo`"):
         _prepare_builtin_model(script, training, ModelConfig(model_name_or_path="builtin:tiny-qwen3"))
     assert not (tmp_path / "o").exists()
 
@@ -257,21 +259,6 @@ def test_builtin_cold_start_runs_in_one_process_before_an_fsdp_launch(tmp_path, 
     assert launch[-4:] == ["--model_name_or_path", initial, "--sft_steps", "0"]
     assert env["TRL_GSPO_COLD_START_BEFORE_LAUNCH"].startswith("cold start: ran before the FSDP launch")
     assert "the FSDP processes start from it with sft_steps 0" in capsys.readouterr().out
-
-
-def test_an_fsdp_process_launched_by_hand_refuses_the_cold_start(tmp_path, monkeypatch):
-    from trl import ModelConfig
-
-    from trl_gspo import GSPOConfig
-    from trl_gspo.launch.recipe import GSPOScriptArguments, RecipeError
-    from trl_gspo.launch.train import _prepare_builtin_model
-
-    monkeypatch.setenv("ACCELERATE_USE_FSDP", "true")
-    script = GSPOScriptArguments(dataset_name="builtin:addition", reward_funcs=["digit_match_reward"], sft_steps=5)
-    training = GSPOConfig(output_dir=str(tmp_path / "o"), use_cpu=True, bf16=False, report_to="none")
-    with pytest.raises(RecipeError, match="cannot run inside an FSDP launch.*launch with `trl-gspo`"):
-        _prepare_builtin_model(script, training, ModelConfig(model_name_or_path="builtin:tiny-qwen3"))
-    assert not (tmp_path / "o").exists()
 
 
 def test_reward_names_come_from_trls_registry():
