@@ -7,6 +7,7 @@ os.environ.setdefault("WANDB_MODE", "disabled")
 
 import pytest
 import torch
+from xdist_groups import group_module_fixture_users
 
 torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
 
@@ -61,6 +62,7 @@ def pytest_configure(config):
 SLOW_LEFT_OUT: list[str] = []  # the default run's note at its end
 
 
+@pytest.hookimpl(tryfirst=True)  # before pytest-xdist's own hook reads the `xdist_group` marks added here
 def pytest_collection_modifyitems(config, items):
     """The default run leaves the GPU acceptance suite and the real-vLLM suite out (each needs what a plain test
     environment lacks); a `-m` expression that names `gpu` or `vllm` selects them.
@@ -77,6 +79,7 @@ def pytest_collection_modifyitems(config, items):
             and not config.option.keyword)
     if bare:
         SLOW_LEFT_OUT.extend(item.nodeid for item in _leave_out(config, items, "slow"))
+    group_module_fixture_users(items)
 
 
 def _leave_out(config, items, marker):
@@ -175,10 +178,20 @@ def tool_model_dir(tmp_path_factory):
     """A directory with the tiny tool-calling Qwen3-MoE (`trl_gspo.quickstart.tools.build_tool_model`: character
     tokenizer with chat and response templates, SFT cold start to call `add`), built once per session. Load it with
     `AutoModelForCausalLM` / `AutoTokenizer.from_pretrained` (or vLLM); every test gets fresh weights that way."""
+    from filelock import FileLock
+
     from trl_gspo.quickstart.tools import build_tool_model
 
-    path = tmp_path_factory.mktemp("tool_model")
-    build_tool_model(output_dir=str(path))
+    # One build per test run, pytest-xdist workers included: they share the run's base directory's parent.
+    shared = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        shared = shared.parent
+    path = shared / "tool_model"
+    with FileLock(str(shared / "tool_model.lock")):
+        if not path.is_dir():
+            staging = shared / "tool_model.partial"  # renamed when whole: a failed build leaves no half a model
+            build_tool_model(output_dir=str(staging))
+            staging.rename(path)
     return path
 
 

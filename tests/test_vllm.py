@@ -53,28 +53,40 @@ def _build_model_dir(path):
     return build_model_dir(Path(path))
 
 
-def _remove_stale_cpu_shm():
-    """Remove the shared-memory files of an earlier tensor-parallel run's vLLM CPU communicator. The run's scripts
-    end with `os._exit` (a teardown of vLLM's CPU workers aborted once), which skips their unlink; the next run's
-    workers would fail with "create shm in SHMManager failed. errno: 17" (EEXIST)."""
-    for stale in Path("/dev/shm").glob("*-cpushm_*"):
+def _remove_cpu_shm(tag):
+    """Remove the shared-memory files of a tensor-parallel run's vLLM CPU communicator, named after `tag`
+    (tests/vllm_cpu_engine.py, 4). The run's scripts end with `os._exit` (a teardown of vLLM's CPU workers aborted
+    once), which skips vLLM's own unlink."""
+    for left in Path("/dev/shm").glob(f"{tag}*-cpushm_*"):
         with contextlib.suppress(OSError):
-            stale.unlink()
+            left.unlink()
 
 
-def _run(out_dir, launch=(), expect_failure=False, bind=None, model_dir=None, env=None, script=SCRIPT, **options):
+def _run(out_dir, launch=(), expect_failure=False, bind=None, model_dir=None, env=None, script=SCRIPT,
+         vllm_default_compile=False, **options):
     """Train in a subprocess; `bind`: vLLM's CPU worker thread binding (TP), `model_dir`: the model to load, `env`:
-    extra environment variables, `script`: the run script (tests/scripts/vllm_run.py by default)."""
+    extra environment variables, `script`: the run script (tests/scripts/vllm_run.py by default).
+
+    The engine is compiled (torch.compile, as TRL builds it), through torch's own compile cache rather than vLLM's
+    default AOT artifacts: vllm-cpu 0.29 with torch 2.13 cannot load those ("'function' object has no attribute
+    'finalize_loading'"), so every engine compiled from scratch (~15 s; ~3 s from the cache). Same graphs, same
+    kernels; `vllm_default_compile=True` keeps vLLM's default path (one test does)."""
     command = [*(launch or [sys.executable]), str(script), str(out_dir), json.dumps(options)]
     extra = {"VLLM_CPU_OMP_THREADS_BIND": bind} if bind else {}
+    if not vllm_default_compile:
+        extra["VLLM_USE_AOT_COMPILE"] = "0"
     extra.update(env or {})
-    if bind:  # tensor parallel: vLLM's CPU workers create /dev/shm/<group>-cpushm_<rank> and refuse an existing one
-        _remove_stale_cpu_shm()
+    master_port = str(_free_port())
+    # tensor parallel: vLLM's CPU workers create /dev/shm/<group>-cpushm_<rank>, here named after this run
+    extra["TRL_GSPO_TEST_SHM_TAG"] = shm_tag = f"trl-gspo-test-{master_port}"
     # Built here, before any rank starts, so ranks only read it.
     extra["TRL_GSPO_VLLM_MODEL_DIR"] = str(_build_model_dir(model_dir or out_dir / "model"))
-    result = subprocess.run(command, capture_output=True, text=True, timeout=900,
-                            env=cpu_env(VLLM_CPU_KVCACHE_SPACE="1", MASTER_PORT=str(_free_port()),
-                                        TOKENIZERS_PARALLELISM="false", **extra))
+    try:
+        result = subprocess.run(command, capture_output=True, text=True, timeout=900,
+                                env=cpu_env(VLLM_CPU_KVCACHE_SPACE="1", MASTER_PORT=master_port,
+                                            TOKENIZERS_PARALLELISM="false", **extra))
+    finally:
+        _remove_cpu_shm(shm_tag)
     if expect_failure:
         assert result.returncode != 0, result.stdout[-2000:]
         return result.stdout + result.stderr
@@ -138,7 +150,8 @@ def test_r3_replays_the_routes_vllm_returned(tmp_path):
     differs. Ragged prompts (3-7 tokens) and completions; 4 mini-batches per rollout batch; a resume in the middle
     of the second rollout batch ends on the same weights."""
     full = _run(tmp_path / "full", loss_type="gspo", routing_replay="sampler", reference=True, max_steps=8,
-                learning_rate=5e-2, save_strategy="steps", save_steps=6, generation_kwargs={"stop_token_ids": [10]})
+                learning_rate=5e-2, save_strategy="steps", save_steps=6, generation_kwargs={"stop_token_ids": [10]},
+                vllm_default_compile=True)  # vLLM's default compile path: the route capture survives it
     checks = full["checks"]
     assert checks["passes"] == 10 and checks["training_passes"] == 8  # 2 old-policy passes, 8 training passes
     assert checks["max_forced_diff"] < 1e-5
@@ -573,13 +586,15 @@ def test_tensor_parallel_2_under_zero3_rank_divergent_tool_turns(tool_model_dir,
 STOCK_HANG_AFTER = 30  # seconds of training before a stock run's ranks print where they wait and exit
 
 
-def _stock_hangs(output):
+def _stock_hangs(out_dir):
     """Stock TRL with rank-divergent turns: rank 0 waits in its second tool turn's gather inside TRL's vLLM generate
     while rank 1, out of the loop, waits in `_generate`'s gather of completion lengths: neither ever returns (the
-    stacks faulthandler printed after STOCK_HANG_AFTER seconds)."""
-    assert f"Timeout (0:00:{STOCK_HANG_AFTER})!" in output, output[-3000:]
-    assert "in _tool_call_loop" in output and "vllm_generation.py" in output, output[-3000:]
-    assert "in gather" in output and "grpo_trainer.py" in output, output[-3000:]
+    stacks faulthandler wrote after STOCK_HANG_AFTER seconds, a file per rank)."""
+    rank0, rank1 = ((out_dir / f"stacks_rank{rank}.txt").read_text() for rank in (0, 1))
+    for stacks in (rank0, rank1):
+        assert f"Timeout (0:00:{STOCK_HANG_AFTER})!" in stacks, stacks[-3000:]
+    assert "in _tool_call_loop" in rank0 and "vllm_generation.py" in rank0, rank0[-3000:]
+    assert "in gather" in rank1 and "grpo_trainer.py" in rank1, rank1[-3000:]
 
 
 def test_stock_trl_at_tensor_parallel_2_misroutes_then_hangs(tool_model_dir, tmp_path):
@@ -591,7 +606,7 @@ def test_stock_trl_at_tensor_parallel_2_misroutes_then_hangs(tool_model_dir, tmp
                          trainer="stock", hang_after=STOCK_HANG_AFTER, expect_failure=True)
     assert "FOREIGN rank 1: 4 of 4 completions came from other prompts" in output, output[-3000:]
     assert "FOREIGN rank 0" not in output
-    _stock_hangs(output)
+    _stock_hangs(tmp_path)
 
 
 def test_server_mode_two_processes_rank_divergent_tool_turns_r3(vllm_tool_server, tmp_path):

