@@ -49,7 +49,7 @@ def skip_without_math_verify(reward_funcs) -> None:
     import importlib.util
 
     if "accuracy_reward" in reward_funcs and importlib.util.find_spec("math_verify") is None:
-        pytest.skip('accuracy_reward needs math-verify: pip install "trl-gspo[math]"')
+        pytest.skip('accuracy_reward needs math-verify: pip install -e ".[math]"')
 
 
 def pytest_configure(config):

@@ -133,7 +133,7 @@ def test_paper_comparison_recipes_differ_only_where_the_paper_does():
 
 
 @pytest.mark.parametrize("rewards,needle", [("[no_such_reward]", "unknown reward 'no_such_reward'"),
-                                            ("[accuracy_reward]", 'pip install "trl-gspo[math]"')])
+                                            ("[accuracy_reward]", 'pip install -e ".[math]" in the trl-gspo checkout')])
 def test_reward_problems_fail_before_launch(tmp_path, capsys, monkeypatch, rewards, needle):
     import importlib.util
 

@@ -58,7 +58,7 @@ def resolve_rewards(script_args) -> list:
     for name in names or []:
         if name in NEEDS_MATH_VERIFY and importlib.util.find_spec("math_verify") is None:
             raise RecipeError(f"`reward_funcs`: {name} checks answers with math-verify, which is not installed. "
-                              'Fix: pip install "trl-gspo[math]".')
+                              'Fix: pip install -e ".[math]" in the trl-gspo checkout.')
         if name in registry:
             rewards.append(registry[name])
         elif name in _factories():

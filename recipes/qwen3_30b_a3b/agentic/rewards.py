@@ -13,7 +13,8 @@ import importlib.util
 
 # Refused at import, so `trl-gspo --dry_run` names the fix before any model is loaded.
 if importlib.util.find_spec("math_verify") is None:
-    raise ImportError('final_answer_accuracy checks answers with math-verify: pip install "trl-gspo[math]"')
+    raise ImportError('final_answer_accuracy checks answers with math-verify: pip install -e ".[math]" in the '
+                      "trl-gspo checkout")
 
 
 def final_answer_accuracy(completions: list[list[dict]], solution: list[str], **kwargs) -> list[float | None]:
