@@ -176,3 +176,17 @@ def test_dry_run_with_the_installed_vllm(model, layout, name, capsys, monkeypatc
     monkeypatch.setattr("trl_gspo.launch.checks._probe_dataset", lambda key, path, config: None)  # offline: as test_cli
     assert main(["--config", str(path), "--dry_run", "true"]) == 0
     assert "recipe is valid" in capsys.readouterr().out
+
+
+def test_server_commands_in_the_docs_come_from_the_recipe_headers():
+    """A recipe's header is the one home of its launch commands: a `vllm-serve` command written out in the README or
+    a docs page must be, word for word, one of a recipe header's (docs/gpus.md once had TP 4 and another model name
+    where the recipe said TP 2 x DP 2)."""
+    headers = {" ".join(shlex.split(command)) for path in (ROOT / "recipes").rglob("*.yaml")
+               for command in _commands(path)}
+    written = []
+    for page in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]:
+        text = page.read_text().replace("\\\n", " ")
+        written += [(page.name, " ".join(shlex.split(match))) for match in
+                    re.findall(r"(?:CUDA_VISIBLE_DEVICES=\S+ )?trl-gspo vllm-serve --model [^`\n]+", text)]
+    assert [(name, command) for name, command in written if command not in headers] == []

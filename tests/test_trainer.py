@@ -8,6 +8,7 @@ from conftest import digit_reward, tiny_config, toy_dataset
 from trl import GRPOConfig, GRPOTrainer
 
 from trl_gspo import GSPOTrainer
+from trl_gspo.config import TRL_LOSS_TYPES
 from trl_gspo.losses import gspo_loss, gspo_token_loss
 from trl_gspo.quickstart.model import build_dense_model, build_model
 
@@ -52,6 +53,31 @@ def test_gspo_matches_trl_sequence_level_grpo(tmp_path, tokenizer, gradient_accu
         for key in ("clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean"):
             if key in trl_h:
                 assert ours_h[key] == pytest.approx(trl_h[key])
+
+
+@pytest.mark.parametrize("loss_type", TRL_LOSS_TYPES)
+def test_every_trl_loss_type_trains_in_gspo_trainer_exactly_as_in_trl(tmp_path, tokenizer, loss_type):
+    """The README's "every other TRL loss type still works": GSPOTrainer with GSPOConfig(loss_type=X) hands X to TRL
+    and trains exactly as TRL's GRPOTrainer with GRPOConfig(loss_type=X), off-policy (losses, gradient norms, final
+    weights), for each of TRL's loss types (TRL_LOSS_TYPES, which tests/test_trl_contract.py keeps equal to TRL's
+    own list)."""
+    from trl_gspo import GSPOConfig
+
+    level = {"luspo": "sequence"}.get(loss_type, "token")  # TRL refuses luspo per token and the others per sequence
+    common = dict(loss_type=loss_type, importance_sampling_level=level, steps_per_generation=4, max_steps=3,
+                  per_device_train_batch_size=4)
+    ours, ours_losses = _train(GSPOTrainer, build_model(tokenizer, seed=0),
+                               tiny_config(tmp_path / "ours", config_cls=GSPOConfig, **common), tokenizer)
+    theirs, trl_losses = _train(GRPOTrainer, build_model(tokenizer, seed=0),
+                                tiny_config(tmp_path / "trl", config_cls=GRPOConfig, **common), tokenizer)
+    assert len(ours_losses) == len(trl_losses) == 3
+    assert any(grad_norm > 0 for _, grad_norm in ours_losses)  # something was learned: the comparison can tell
+    for (loss, grad_norm), (ref_loss, ref_grad_norm) in zip(ours_losses, trl_losses):
+        assert loss == pytest.approx(ref_loss, abs=1e-6, rel=1e-5)
+        assert grad_norm == pytest.approx(ref_grad_norm, abs=1e-6, rel=1e-5)
+    trl_params = _params(theirs.model)
+    for name, param in _params(ours.model).items():
+        torch.testing.assert_close(param, trl_params[name], rtol=1e-5, atol=1e-6)
 
 
 def test_gspo_with_the_loss_options_on_trains_like_trl(tmp_path, tokenizer):
@@ -461,3 +487,33 @@ def test_adaptive_entropy_state_survives_a_resume(tmp_path, tokenizer):
     resumed.train(resume_from_checkpoint=str(tmp_path / "a" / "checkpoint-1"))
     assert [h["entropy_coef"] for h in resumed.state.log_history if "entropy_coef" in h][-1] == pytest.approx(0.02)
     assert resumed.entropy_coef == pytest.approx(first.entropy_coef)
+
+
+def test_startup_names_the_resolved_sizes_and_the_presets_that_set_them(tmp_path, tokenizer, caplog):
+    """A GRPO user swapping in GSPOTrainer sees what changed: the paper's 4 mini-batches per rollout make the rollout
+    batch 4x TRL's default (memory, KV cache). One line at startup, a warning when GSPOConfig filled in the paper's
+    values; TRL's own loss types without presets get it at info level."""
+    from trl_gspo import GSPOConfig
+
+    with caplog.at_level(logging.INFO, logger="trl_gspo.trainer"):
+        GSPOTrainer(build_model(tokenizer, seed=0), digit_reward, args=tiny_config(tmp_path / "g", config_cls=GSPOConfig),
+                    train_dataset=toy_dataset(), processing_class=tokenizer)
+    [record] = [r for r in caplog.records if "each rollout batch" in r.getMessage()]
+    assert record.levelno == logging.WARNING
+    assert record.getMessage() == (
+        "loss_type='gspo': each rollout batch is 32 completions (8 prompts x 4 generations) over 1 process(es), "
+        "trained as 4 mini-batches of 8 per process: 4 optimizer step(s) per rollout batch; one ratio per sequence, "
+        "clipped to [0.9997, 1.0004]; beta=0. GSPOConfig filled in the GSPO paper's values for fields left unset: "
+        "beta=0.0, epsilon=0.0003, epsilon_high=0.0004, importance_sampling_level='sequence', steps_per_generation=4.")
+
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="trl_gspo.trainer"):
+        GSPOTrainer(build_model(tokenizer, seed=0), digit_reward,
+                    args=tiny_config(tmp_path / "t", config_cls=GRPOConfig, loss_type="dapo"),
+                    train_dataset=toy_dataset(), processing_class=tokenizer)
+    [record] = [r for r in caplog.records if "each rollout batch" in r.getMessage()]
+    assert record.levelno == logging.INFO
+    assert record.getMessage() == (
+        "loss_type='dapo': each rollout batch is 8 completions (2 prompts x 4 generations) over 1 process(es), trained "
+        "as 1 mini-batches of 8 per process: 1 optimizer step(s) per rollout batch; token-level ratios, epsilon=0.2, "
+        "epsilon_high=0.2; beta=0.")

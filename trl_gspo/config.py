@@ -188,6 +188,8 @@ class GSPOConfig(GRPOConfig):
     def __post_init__(self):
         _check_types(self)
         is_gspo = self.loss_type in GSPO_LOSS_TYPES
+        unset = {name for name in ("epsilon", "epsilon_high", "beta", "importance_sampling_level",
+                                   "steps_per_generation") if getattr(self, name) is None}
         if self.epsilon is None:
             self.epsilon = PAPER_EPSILON_LOW if is_gspo else 0.2
         if self.epsilon_high is None and is_gspo:
@@ -198,6 +200,11 @@ class GSPOConfig(GRPOConfig):
             self.importance_sampling_level = "sequence" if is_gspo else "token"
         if is_gspo and self.steps_per_generation is None and self.generation_batch_size is None:
             self.steps_per_generation = PAPER_MINI_BATCHES_PER_ROLLOUT * self.gradient_accumulation_steps
+        else:
+            unset.discard("steps_per_generation")
+        # The paper's values this config filled in (not a dataclass field: never serialized); GSPOTrainer names them
+        # at startup beside the sizes they resolve to (`setup_summary`).
+        self.paper_presets = {name: getattr(self, name) for name in sorted(unset)} if is_gspo else {}
         validate_gspo_args(self)
         super().__post_init__()
 
@@ -336,6 +343,29 @@ def warn_about_setup(args) -> None:
             "(GSPO then coincides with GRPO). For the paper's off-policy setup set steps_per_generation to "
             "4 x gradient_accumulation_steps or num_iterations > 1.",
         )
+
+
+def setup_summary(args, num_processes: int) -> str:
+    """What a run's options resolve to, in one line: the rollout batch, its mini-batches and optimizer steps, the clip
+    band and its level, and (for a `GSPOConfig`) the GSPO paper's values it filled in for fields left unset. A GRPO
+    user swapping in GSPOTrainer sees here what changed: e.g. the paper's 4 mini-batches per rollout make the
+    generation batch (memory, KV cache) 4x TRL's default."""
+    prompts = args.generation_batch_size // args.num_generations
+    steps_per_rollout = args.steps_per_generation // args.gradient_accumulation_steps * args.num_iterations
+    high = args.epsilon if args.epsilon_high is None else args.epsilon_high
+    if args.loss_type in GSPO_LOSS_TYPES:
+        band = f"one ratio per sequence, clipped to [{1 - args.epsilon:g}, {1 + high:g}]"
+    else:  # TRL's own types use epsilon each in its way (clip, soft gate, weight cap)
+        band = f"{args.importance_sampling_level}-level ratios, epsilon={args.epsilon:g}, epsilon_high={high:g}"
+    text = (f"loss_type={args.loss_type!r}: each rollout batch is {args.generation_batch_size} completions ({prompts} "
+            f"prompts x {args.num_generations} generations) over {num_processes} process(es), trained as "
+            f"{args.steps_per_generation} mini-batches of {args.per_device_train_batch_size} per process: "
+            f"{steps_per_rollout} optimizer step(s) per rollout batch; {band}; beta={args.beta:g}.")
+    presets = getattr(args, "paper_presets", {})
+    if presets:
+        text += " GSPOConfig filled in the GSPO paper's values for fields left unset: " + ", ".join(
+            f"{name}={value!r}" for name, value in presets.items()) + "."
+    return text
 
 
 def refuse_unused_token_advantages(overridden: bool, trainer_name: str, loss_type: str) -> None:

@@ -13,7 +13,8 @@ from trl import GRPOTrainer
 
 from . import metrics as gspo_metrics
 from .config import (DEFAULT_MIN_ROUTE_AGREEMENT, GSPO_LOSS_TYPES, PAPER_EPSILON_HIGH, PAPER_EPSILON_LOW, GSPOConfig,
-                     refuse_unused_token_advantages, runs_old_policy_pass, validate_gspo_args, warn_about_setup)
+                     refuse_unused_token_advantages, runs_old_policy_pass, setup_summary, validate_gspo_args,
+                     warn_about_setup)
 from .losses import (
     adaptive_entropy_coef,
     applied_entropy_coef,
@@ -84,6 +85,9 @@ class GSPOTrainer(CheckpointMixin, ToolTurnsMixin, GRPOTrainer):
         self._sampler_logps = SamplerOldLogps.build(self, self._clip_band(), dtypes)  # old_logps="sampler", or None
         self._routing = TrainerRouting.build(base, self.args, runs_old_policy_pass(self.args))
         self._replay_stack, self._replay_opened = None, False  # open while a micro-batch runs forward and backward
+        if self.accelerator.is_main_process:  # the resolved sizes; a warning when paper presets changed TRL's
+            log = logger.warning if getattr(self.args, "paper_presets", None) else logger.info
+            log(setup_summary(self.args, self.accelerator.num_processes))
 
     # ------------------------------------------------------------------ MoE routing (trl_gspo/trainer_routing.py)
     def _clip_band(self):  # "outside the clip band" for any loss type: GSPO's band for TRL's own types
