@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import numbers
 from dataclasses import dataclass, field
+from fractions import Fraction
 
 from transformers.utils import logging
 from trl import GRPOConfig
@@ -351,7 +352,8 @@ def setup_summary(args, num_processes: int) -> str:
     user swapping in GSPOTrainer sees here what changed: e.g. the paper's 4 mini-batches per rollout make the
     generation batch (memory, KV cache) 4x TRL's default."""
     prompts = args.generation_batch_size // args.num_generations
-    steps_per_rollout = args.steps_per_generation // args.gradient_accumulation_steps * args.num_iterations
+    # a fraction when a rollout batch is smaller than one optimizer step's micro-batches (e.g. "1/2")
+    steps_per_rollout = Fraction(args.steps_per_generation * args.num_iterations, args.gradient_accumulation_steps)
     high = args.epsilon if args.epsilon_high is None else args.epsilon_high
     if args.loss_type in GSPO_LOSS_TYPES:
         band = f"one ratio per sequence, clipped to [{1 - args.epsilon:g}, {1 + high:g}]"
