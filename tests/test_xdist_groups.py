@@ -1,4 +1,4 @@
-"""CI runs the slow and vLLM legs on two pytest-xdist workers (`-n 2 --dist loadgroup`, .ci/run); tests that share a
+"""CI runs the vLLM leg on two pytest-xdist workers (`-n 2 --dist loadgroup`, .ci/run); tests that share a
 module-scoped fixture (a vLLM server, a reference run) must stay on one worker, or each worker builds the fixture
 again (a vLLM server: about a minute). tests/xdist_groups.py marks them; here a small suite of its own runs under
 exactly that mode and says where each test ran. This fails if pytest-xdist ignores the groups, as it did silently

@@ -1,4 +1,5 @@
-"""Which tests pytest-xdist must keep on one worker, for CI's `pytest -m slow|vllm -n 2 --dist loadgroup`.
+"""Which tests pytest-xdist must keep on one worker, for CI's `pytest -m vllm -n 2 --dist loadgroup` (and anyone's
+`-n N --dist loadgroup` run of the other tests).
 
 Called from tests/conftest.py's collection hook (before pytest-xdist's own reads the marks added here);
 tests/test_xdist_groups.py checks, in a pytest run of its own, that a grouped module fixture is built once.
@@ -8,7 +9,7 @@ import pytest
 
 
 def group_module_fixture_users(items):
-    """Under pytest-xdist (`-n 2 --dist loadgroup`, as CI runs the slow and vLLM legs), the tests that share a
+    """Under pytest-xdist (`-n 2 --dist loadgroup`, as CI runs the vLLM leg), the tests that share a
     module-scoped fixture (a vLLM server, a reference run) go to one worker, so it is built once, not once per worker.
     Tests joined through any shared fixture form one group; a test's own `xdist_group` mark wins."""
     parent = {}

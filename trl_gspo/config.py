@@ -201,11 +201,10 @@ class GSPOConfig(GRPOConfig):
             self.importance_sampling_level = "sequence" if is_gspo else "token"
         if is_gspo and self.steps_per_generation is None and self.generation_batch_size is None:
             self.steps_per_generation = PAPER_MINI_BATCHES_PER_ROLLOUT * self.gradient_accumulation_steps
-        else:
-            unset.discard("steps_per_generation")
-        # The paper's values this config filled in (not a dataclass field: never serialized); GSPOTrainer names them
+        # The paper's values this config filled in (not a dataclass field: not in `to_dict()`); GSPOTrainer names them
         # at startup beside the sizes they resolve to (`setup_summary`).
-        self.paper_presets = {name: getattr(self, name) for name in sorted(unset)} if is_gspo else {}
+        self.paper_presets = {name: getattr(self, name) for name in sorted(unset)
+                              if getattr(self, name) is not None} if is_gspo else {}
         validate_gspo_args(self)
         super().__post_init__()
 
