@@ -1,7 +1,10 @@
 """What the README promises: CI runs its test command verbatim, and every install line installs from the checkout."""
 
+import importlib.util
 import re
 from pathlib import Path
+
+import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -29,33 +32,36 @@ def test_install_lines_install_from_the_checkout():
     assert wrong == []
 
 
-def _header(recipe: Path) -> str:
-    """A recipe's comment header, joined into one line."""
-    lines = []
-    for line in recipe.read_text().splitlines():
-        if not line.startswith("#"):
-            break
-        lines.append(line.lstrip("#").strip())
-    return " ".join(lines)
+def _recipe_table():
+    """.ci/recipe_table.py, imported by path (.ci is not a package)."""
+    spec = importlib.util.spec_from_file_location("recipe_table", ROOT / ".ci" / "recipe_table.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
-def test_the_docs_memory_table_restates_the_recipe_headers():
-    """A recipe's memory figures have one home, its header (marked estimate or measured there): every "N GB" (or GiB)
-    in the memory column of docs/recipes.md's recipe table is written in the header of each recipe its row names, so a
-    header changed without the table (or the reverse) fails here (the table once said 20-30 GB where the header said
-    10-20)."""
-    text = (ROOT / "docs" / "recipes.md").read_text()
-    rows = [line for line in text.splitlines() if line.startswith("| `recipes/")]
-    checked = 0
-    for row in rows:
-        cells = [cell.strip() for cell in row.strip("|").split("|")]
-        first = re.match(r"`(recipes/[^`]+)`", cells[0]).group(1)
-        recipes = sorted((ROOT / first).glob("*.yaml")) if first.endswith("/") else [ROOT / first]
-        figures = re.findall(r"(\d+(?:\.\d+)?(?:-\d+)?) GB|(\d+(?:\.\d+)?) GiB", cells[-1])
-        figures = [f"{gb} GB" if gb else f"{gib} GiB" for gb, gib in figures]
-        for recipe in recipes:
-            header = _header(recipe)
-            missing = [figure for figure in figures if figure not in header]
-            assert missing == [], f"{recipe.relative_to(ROOT)}: {missing} not in its header"
-            checked += bool(figures)
-    assert checked >= 10  # the rows with figures: the flagship, LoRA, vLLM layouts, Granite, Qwen3-0.6B
+def test_the_docs_recipe_table_is_generated_from_the_recipe_headers():
+    """A recipe's memory figures and sizes have one home, the card at the top of its header: docs/recipes.md's table
+    between the markers is exactly what .ci/recipe_table.py generates from the cards, so a header changed without the
+    table (or the table edited by hand) fails here (the table once said 20-30 GB where the header said 10-20)."""
+    recipe_table = _recipe_table()
+    page = (ROOT / "docs" / "recipes.md").read_text()
+    generated = recipe_table.table()
+    assert recipe_table.replace_table(page, generated) == page, "run: python .ci/recipe_table.py --write"
+    assert generated.count("\n| `recipes/") == len(recipe_table.recipes()) >= 25
+
+
+def test_a_recipe_card_without_its_keys_or_source_is_refused(tmp_path):
+    """The generator refuses a recipe whose card lacks a key, has a stray line, or gives a memory figure that says
+    neither estimate nor measured on a device."""
+    recipe_table = _recipe_table()
+    recipe = tmp_path / "recipe.yaml"
+    good = ["# What: x", "# Sized for: 1 GPU", "# Memory per GPU: 10 GB (estimate)", "# Ran on a GPU: no", "#", "a: 1"]
+    recipe.write_text("\n".join(good))
+    assert recipe_table.card(recipe)["Memory per GPU"] == "10 GB (estimate)"
+    for broken, message in [(good[:1] + good[2:], "lacks ['Sized for']"),
+                            (["# Hardware: 1 GPU"] + good, "not one of the card's keys"),
+                            (good[:2] + ["# Memory per GPU: 10 GB"] + good[3:], "must say 'estimate'")]:
+        recipe.write_text("\n".join(broken))
+        with pytest.raises(ValueError, match=re.escape(message)):
+            recipe_table.card(recipe)
