@@ -4,6 +4,7 @@ logprobs, routed_experts, finish_reason`, routed_experts `[prompt_len + completi
 in vLLM 0.22.0's wheel) whose routes are recorded from the HF model itself."""
 
 import copy
+import json as jsonlib
 from dataclasses import dataclass, field
 from types import SimpleNamespace
 
@@ -12,6 +13,7 @@ import pytest
 import torch
 
 import trl_gspo.sampling.vllm as vllm_routes
+from trl_gspo.sampling import route_wire
 from trl_gspo.quickstart.model import build_model
 from trl_gspo.routing import RoutingReplay
 from trl_gspo.routing.rollout import has_route, pad_routes_like
@@ -225,66 +227,85 @@ class FakeSession:
     """A `requests.Session` whose POST to /v1/completions answers like vLLM's server (prompt-major choices, each with
     prompt_token_ids, token_ids and base64 routed_experts), from the fake engine's outputs."""
 
-    def __init__(self, llm, n, with_routes=True):
-        self.llm, self.n, self.with_routes, self.posts = llm, n, with_routes, []
+    def __init__(self, llm, n, with_routes=True, framed=True):
+        self.llm, self.n, self.with_routes, self.framed, self.posts = llm, n, with_routes, framed, []
 
-    def post(self, url, json=None, **kwargs):
+    def post(self, url, json=None, headers=None, **kwargs):
+        """As vLLM's server; as `trl-gspo vllm-serve` (routes framed as bytes, route_wire.py) when `framed` and the
+        request asks for it."""
         self.posts.append(url)
-        choices = []
+        choices, arrays = [], []
+        framed = self.framed and self.with_routes and route_wire.HEADER in (headers or {})
         if url.endswith("/v1/completions"):
             prompts = [p for p in json["prompt"] for _ in range(self.n)]
             for request in self.llm.generate([{"prompt_token_ids": p} for p in prompts]):
                 completion = request.outputs[0]
+                routes = completion.routed_experts.astype(np.uint8)
+                arrays.append(routes)
+                routes = f"#{len(arrays) - 1}" if framed else _npy_base64(routes) if self.with_routes else None
                 choices.append({"prompt_token_ids": request.prompt_token_ids, "token_ids": completion.token_ids,
-                                "routed_experts": _npy_base64(completion.routed_experts) if self.with_routes else None})
-        return SimpleNamespace(ok=True, json=lambda: {"choices": choices}, raise_for_status=lambda: None)
+                                "routed_experts": routes})
+        answer = {"choices": choices}
+        if framed:
+            content = b"".join(route_wire.encode_frame(jsonlib.dumps(answer).encode(), arrays))
+            return SimpleNamespace(ok=True, headers={"content-type": route_wire.CONTENT_TYPE}, content=content,
+                                   raise_for_status=lambda: None)
+        return SimpleNamespace(ok=True, headers={"content-type": "application/json"}, json=lambda: answer,
+                               raise_for_status=lambda: None)
 
 
-def _server(tokenizer, with_routes=True):
+def _server(tokenizer, with_routes=True, framed=True):
     llm = FakeLLM(build_model(tokenizer, seed=0).eval(), [COMPLETIONS[0]] * 2 + [COMPLETIONS[2]] * 2,
                   enable_return_routed_experts=True)
-    return llm, SimpleNamespace(session=FakeSession(llm, n=2, with_routes=with_routes))
+    return llm, SimpleNamespace(session=FakeSession(llm, n=2, with_routes=with_routes, framed=framed),
+                                base_url="http://h", model="m")
 
 
-@pytest.mark.parametrize("process_index", [0, 1])
-def test_server_routes_follow_trls_process_slice(tokenizer, process_index, monkeypatch):
-    llm, client = _server(tokenizer)
+@pytest.mark.parametrize("framed", [True, False], ids=["bytes", "json"])
+def test_server_routes_follow_trls_process_slice(tokenizer, framed, monkeypatch):
+    """Two processes: the main process receives the server's answer (route frame or vLLM's JSON), keeps its slice and
+    sends rank 1 only rank 1's (token ids pickled; framed routes as one flat tensor, JSON routes as their text), and
+    each rank gets exactly the routes of the completions TRL keeps for it."""
+    llm, client = _server(tokenizer, framed=framed)
     prompts = [PROMPTS[0], PROMPTS[2]]  # unique prompts, 2 completions each: 4 completions, 2 per process
     expected = routes_from_vllm(llm.generate([{"prompt_token_ids": p} for p in PROMPTS[:1] * 2 + PROMPTS[2:] * 2]))
-    sent = []
-
-    def send_object_list(objects, dst):  # the main process sends rank `dst` its slice of the answer
-        sent.append((dst, copy.deepcopy(objects[0])))
-
-    def recv_object_list(objects, src):  # what rank 1 receives: the main process's choices 2..3, route fields only
-        objects[0] = [{k: c[k] for k in ("prompt_token_ids", "token_ids", "routed_experts")}
-                      for c in copy.deepcopy(main_choices[2:])]
-
-    monkeypatch.setattr("torch.distributed.send_object_list", send_object_list)
-    monkeypatch.setattr("torch.distributed.recv_object_list", recv_object_list)
-    main_choices = client.session.post("http://h/v1/completions", json={"prompt": prompts}).json()["choices"]
-    main = process_index == 0
-    generation = SimpleNamespace(mode="server", **({"vllm_client": client} if main else {}))
-    accelerator = SimpleNamespace(is_main_process=main, num_processes=2, process_index=process_index)
-    with capture_routes(generation, accelerator) as take:
-        if main:  # TRL's VLLMClient.generate, which reads the same answer
-            response = client.session.post("http://h/v1/completions", json={"prompt": prompts})
-            assert response.json() is response.json()  # parsed once, by the capture; TRL's read reuses it
-            answer = response.json()
-            assert [c["token_ids"] for c in answer["choices"]] == [COMPLETIONS[0], COMPLETIONS[0],
-                                                                  COMPLETIONS[2], COMPLETIONS[2]]
-    lengths = [[3, 3], [5, 5]][process_index]
-    kept = take(lengths, torch.uint8)
-    if main:  # rank 1 got only its two choices (scatter, not broadcast), and their text left the main process
-        assert [dst for dst, _ in sent] == [1] and [c["token_ids"] for c in sent[0][1]] == [COMPLETIONS[2]] * 2
-        assert all(c["routed_experts"] for c in sent[0][1])
-        assert [c["routed_experts"] for c in answer["choices"]] == [None] * 4  # decoded or sent: dropped
-    else:
-        assert sent == []
-    mine = slice(2 * process_index, 2 * process_index + 2)
-    for got, want in zip(kept.prompt_routes + kept.completion_routes,
-                         expected.prompt_routes[mine] + expected.completion_routes[mine]):
-        assert torch.equal(got, want)
+    objects, tensors = [], []
+    monkeypatch.setattr("torch.distributed.get_backend", lambda *a: "gloo")
+    monkeypatch.setattr("torch.distributed.send_object_list",
+                        lambda sent, dst: objects.append((dst, copy.deepcopy(sent[0]))))
+    monkeypatch.setattr("torch.distributed.send", lambda tensor, dst: tensors.append((dst, tensor.clone())))
+    monkeypatch.setattr("torch.distributed.recv_object_list",
+                        lambda received, src: received.__setitem__(0, objects[0][1]))
+    monkeypatch.setattr("torch.distributed.recv", lambda tensor, src: tensor.copy_(tensors[0][1]))
+    kept = {}
+    for process_index in (0, 1):
+        main = process_index == 0
+        generation = SimpleNamespace(mode="server", **({"vllm_client": client} if main else {}))
+        accelerator = SimpleNamespace(is_main_process=main, num_processes=2, process_index=process_index,
+                                      device=torch.device("cpu"))
+        with capture_routes(generation, accelerator) as take:
+            if main:  # TRL's VLLMClient.generate, which reads the same answer
+                response = client.session.post("http://h/v1/completions", json={"prompt": prompts})
+                assert response.json() is response.json()  # parsed once, by the capture; TRL's read reuses it
+                answer = response.json()
+                assert [c["token_ids"] for c in answer["choices"]] == [COMPLETIONS[0], COMPLETIONS[0],
+                                                                      COMPLETIONS[2], COMPLETIONS[2]]
+        kept[process_index] = take([[3, 3], [5, 5]][process_index], torch.uint8)
+        if main:  # rank 1 got only its two choices (scatter, not broadcast), and they left the main process
+            assert [dst for dst, _ in objects] == [1]
+            part, layout = objects[0][1]
+            assert [c["token_ids"] for c in part] == [COMPLETIONS[2]] * 2
+            if framed:  # the routes travel as bytes in one tensor, not pickled
+                assert [dst for dst, _ in tensors] == [1] and len(layout) == 2
+                assert tensors[0][1].numel() == sum(int(np.prod(shape)) for _, shape in layout)
+            else:
+                assert tensors == [] and all(isinstance(c["routed_experts"], str) for c in part)
+            assert [c["routed_experts"] for c in answer["choices"]] == [None] * 4  # decoded or sent: dropped
+    for process_index in (0, 1):
+        mine = slice(2 * process_index, 2 * process_index + 2)
+        for got, want in zip(kept[process_index].prompt_routes + kept[process_index].completion_routes,
+                             expected.prompt_routes[mine] + expected.completion_routes[mine]):
+            assert torch.equal(got, want)
     assert "post" not in vars(client.session)  # the session's own method is back
 
 
@@ -307,8 +328,9 @@ def test_trl_gspo_vllm_serve_is_trls_server_with_routes():
     command = server_command(["--model", "Qwen/Qwen3-30B-A3B", "--tensor_parallel_size", "2", "--max-num-seqs", "8"])
     assert command[command.index("serve") + 1] == "Qwen/Qwen3-30B-A3B"
     assert command[command.index("--tensor-parallel-size") + 1] == "2"  # TRL's arguments, translated by TRL
-    # unknown arguments go to `vllm serve` as they are, then the flag
-    assert command[-3:] == ["--max-num-seqs", "8", "--enable-return-routed-experts"]
+    # unknown arguments go to `vllm serve` as they are, then the flag and the middleware that frames routes as bytes
+    assert command[-5:] == ["--max-num-seqs", "8", "--enable-return-routed-experts", "--middleware",
+                            "trl_gspo.sampling.route_wire.BinaryRoutes"]
     again = server_command(["--model", "m", "--enable-return-routed-experts"])
     assert again.count("--enable-return-routed-experts") == 1  # given once, not twice
 
@@ -326,7 +348,8 @@ def test_trl_gspo_vllm_serve_asks_for_routes_only_from_moe_models(tmp_path, caps
     model = str(tmp_path)
     dense = family == "qwen3"
     assert config_has_experts(model) is (not dense)
-    assert (SERVER_ROUTES_FLAG in server_command(["--model", model])) is (not dense)
+    command = server_command(["--model", model])
+    assert (SERVER_ROUTES_FLAG in command) is ("--middleware" in command) is (not dense)
     said = capsys.readouterr().err
     assert ("config names no experts (a dense model)" in said) is dense
     # Given by hand, the flag stays (vLLM decides), dense or not.
@@ -337,7 +360,7 @@ def test_trl_gspo_vllm_serve_leaves_unreadable_configs_to_vllm(tmp_path):
     from trl_gspo.sampling.serve import SERVER_ROUTES_FLAG, config_has_experts, server_command
 
     assert config_has_experts(str(tmp_path / "missing")) is None  # no such directory, hub offline (conftest)
-    assert server_command(["--model", str(tmp_path / "missing")])[-1] == SERVER_ROUTES_FLAG
+    assert server_command(["--model", str(tmp_path / "missing")])[-3] == SERVER_ROUTES_FLAG
 
 
 def test_server_without_routes_names_the_command(tokenizer):

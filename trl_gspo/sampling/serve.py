@@ -4,8 +4,10 @@ TRL 1.16's `trl vllm-serve` runs vLLM's own OpenAI-compatible server (`vllm serv
 log-prob settings). vLLM returns each completion's `routed_experts` in its `/v1/completions` answer when the server is
 started with `--enable-return-routed-experts`; TRL's client reads the tokens and log-probs of that answer and the
 trainer reads the routes of the same answer (`trl_gspo.sampling.vllm.capture_routes`). This command is TRL's
-`build_command` with that one flag added, so routing replay from the sampler (`routing_replay="sampler"`) works in
-server mode:
+`build_command` with that flag added, so routing replay from the sampler (`routing_replay="sampler"`) works in
+server mode, and with `--middleware trl_gspo.sampling.route_wire.BinaryRoutes`, which sends the routes to a trainer
+that asks as raw bytes after the JSON answer instead of base64 inside it (`trl_gspo/sampling/route_wire.py`; stock
+TRL clients get vLLM's answer unchanged):
 
     CUDA_VISIBLE_DEVICES=4,5,6,7 trl-gspo vllm-serve --model Qwen/Qwen3-30B-A3B --tensor-parallel-size 4
 
@@ -27,6 +29,8 @@ import shlex
 import sys
 
 from .vllm import SERVER_ROUTES_FLAG
+
+ROUTES_MIDDLEWARE = "trl_gspo.sampling.route_wire.BinaryRoutes"
 
 
 # The config attributes vLLM (0.29) reads for a model's expert count (its ModelArchConfigConvertor.get_num_experts).
@@ -69,6 +73,8 @@ def server_command(argv: list[str]) -> list[str]:
                   file=sys.stderr, flush=True)
         else:
             extra_args.append(SERVER_ROUTES_FLAG)
+    if SERVER_ROUTES_FLAG in extra_args:  # routes as raw bytes for the trainer that asks (route_wire.py)
+        extra_args += ["--middleware", ROUTES_MIDDLEWARE]
     return build_command(script_args, extra_args)
 
 

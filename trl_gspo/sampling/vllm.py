@@ -37,6 +37,7 @@ import functools
 import importlib.metadata
 import importlib.util
 import io
+import warnings
 from types import SimpleNamespace
 
 import torch
@@ -241,7 +242,9 @@ def routes_from_vllm(request_outputs, index_dtype: torch.dtype = torch.uint8, *,
                                    "Cause: its engine was built without enable_return_routed_experts=True, or the "
                                    "request did not finish. Fix: build GSPOTrainer with routing_replay='sampler' "
                                    "(it sets the flag), or set routing_replay='old'.")
-            routes = torch.as_tensor(routes)
+            with warnings.catch_warnings():  # a read-only view of a route frame's bytes: only read, never written
+                warnings.simplefilter("ignore", UserWarning)
+                routes = torch.as_tensor(routes)
             expected = prompt_len + completion_len - 1
             if routes.dim() != 3 or routes.shape[0] != expected:
                 raise RuntimeError(
@@ -318,48 +321,81 @@ def decode_server_routes(encoded: str | None):
     return np.load(io.BytesIO(base64.b64decode(encoded)), allow_pickle=False)
 
 
+def _has_routes(value) -> bool:
+    return value is not None and not (isinstance(value, str) and not value)
+
+
 def routes_from_server(choices: list[dict], index_dtype: torch.dtype = torch.uint8) -> SampledRoutes:
     """`routes_from_vllm` for the choices of vLLM's `/v1/completions` answers (prompt-major, TRL's order), each with
-    `prompt_token_ids`, `token_ids` and `routed_experts`. Each choice's base64 text is decoded when its turn comes and
-    taken out of the choice (`routed_experts` set to None), so the text and the decoded routes of the whole answer
-    are never held together."""
+    `prompt_token_ids`, `token_ids` and `routed_experts` (a `FramedRoute`, an array, or vLLM's base64 text). Each
+    choice's routes are read when its turn comes and taken out of the choice (`routed_experts` set to None), so the
+    text and the decoded routes of the whole answer are never held together."""
+    import numpy as np
+
     def decoder(choice):
         def decode():
             encoded, choice["routed_experts"] = choice.get("routed_experts"), None
-            return decode_server_routes(encoded)
+            if isinstance(encoded, FramedRoute):
+                return encoded.array()
+            return encoded if isinstance(encoded, np.ndarray) else decode_server_routes(encoded)
         return decode
 
     requests = [SimpleNamespace(prompt_token_ids=choice["prompt_token_ids"], outputs=[SimpleNamespace(
-        token_ids=choice["token_ids"], routed_experts=decoder(choice) if choice.get("routed_experts") else None)])
+        token_ids=choice["token_ids"], routed_experts=decoder(choice) if _has_routes(choice.get("routed_experts")) else None)])
         for choice in choices]
     return routes_from_vllm(requests, index_dtype, server=True)
-
-
-_ROUTE_FIELDS = ("prompt_token_ids", "token_ids", "routed_experts")
 
 
 def hand_out_choices(choices: list[dict], counts: list[int], accelerator) -> list[dict]:
     """Server mode, several processes: give each rank the choices of its slice, collectively. The main process holds
     every rank's choices in rank order, `counts[r]` of them for rank r (TRL's `process_slice`: equal counts; a lockstep
     tool turn, `trl_gspo.tool_turns`: the counts each rank sent). It sends each other rank with a non-empty slice only
-    its choices' token ids and base64 routes (point to point, one rank at a time, each text dropped once sent); every
-    rank decodes its own."""
+    its choices' token ids (pickled, small) and their routes as one flat uint8 tensor (`dist.send`: no pickle of the
+    routes; from a route frame, each array read once; base64 text from a JSON answer is sent as text and decoded by
+    the rank), one rank at a time, each part dropped once sent."""
+    import numpy as np
     import torch.distributed as dist
 
+    device = accelerator.device if dist.get_backend() == "nccl" else torch.device("cpu")
     if not accelerator.is_main_process:
         if not counts[accelerator.process_index]:
             return []
         received = [None]
         dist.recv_object_list(received, src=0)
-        return received[0]
+        part, layout = received[0]
+        if layout:  # (dtype, shape) per framed choice, in order; their bytes follow as one tensor
+            flat = torch.empty(sum(np.dtype(dtype).itemsize * int(np.prod(shape)) for dtype, shape in layout),
+                               dtype=torch.uint8, device=device)
+            dist.recv(flat, src=0)
+            data, offset = flat.cpu().numpy(), 0
+            arrays = iter(layout)
+            for choice in part:
+                if choice["routed_experts"] is FramedRoute:
+                    dtype, shape = next(arrays)
+                    count = np.dtype(dtype).itemsize * int(np.prod(shape))
+                    choice["routed_experts"] = data[offset:offset + count].view(dtype).reshape(shape)
+                    offset += count
+        return part
     start = counts[0]
     for rank in range(1, accelerator.num_processes):
         stop = start + counts[rank]
         if stop > start:
-            part = [{field: choice.get(field) for field in _ROUTE_FIELDS} for choice in choices[start:stop]]
-            dist.send_object_list([part], dst=rank)
+            part, arrays = [], []
             for choice in choices[start:stop]:
+                routes = choice.get("routed_experts")
+                if isinstance(routes, FramedRoute):
+                    arrays.append(np.ascontiguousarray(routes.array()))
+                    routes = FramedRoute  # the marker: this choice's routes come in the tensor
+                part.append({"prompt_token_ids": choice.get("prompt_token_ids"), "token_ids": choice.get("token_ids"),
+                             "routed_experts": routes})
                 choice["routed_experts"] = None
+            layout = [(array.dtype.str, array.shape) for array in arrays]
+            dist.send_object_list([(part, layout)], dst=rank)
+            if arrays:
+                flat = np.concatenate([array.reshape(-1).view(np.uint8) for array in arrays])
+                del arrays
+                dist.send(torch.from_numpy(flat).to(device), dst=rank)
+                del flat
             del part
         start = stop
     return choices[:counts[0]]
@@ -369,10 +405,13 @@ def check_server_returns_routes(client, layout: tuple[int, int] | None = None) -
     """Server mode with R3, at construction: ask the server for one token and refuse now, before any training
     compute, if its answer carries no routes (a server started with plain `trl vllm-serve`) or malformed ones, or,
     given the trained model's `layout` (MoE layers, top_k), routes of another layout (a server of another model)."""
+    from .route_wire import HEADER
+
     response = client.session.post(f"{client.base_url}/v1/completions", json={
-        "model": client.model, "prompt": [[0]], "max_tokens": 1, "return_token_ids": True})
+        "model": client.model, "prompt": [[0]], "max_tokens": 1, "return_token_ids": True}, headers={HEADER: "1"})
     response.raise_for_status()
-    sampled = routes_from_server(response.json()["choices"])  # raises naming the cause and the command
+    answer = read_completions_answer(response, client.base_url)  # a JSON answer with routes is announced there
+    sampled = routes_from_server(answer["choices"])  # raises naming the cause and the command
     served = tuple(sampled.prompt_routes[0].shape[1:])
     if layout is not None and served != tuple(layout):
         raise ValueError(
@@ -407,18 +446,67 @@ def check_server_tokenizer(client, tokenizer) -> None:
             "`--tokenizer` if you trained with another), or pass the server's tokenizer as `processing_class`.")
 
 
+class FramedRoute:
+    """A choice's routes inside a received route frame (`trl_gspo.sampling.route_wire`), read when needed."""
+
+    __slots__ = ("frame", "index")
+
+    def __init__(self, frame, index: int):
+        self.frame, self.index = frame, index
+
+    def array(self):
+        return self.frame.array(self.index)
+
+
+_json_fallback_announced = []
+
+
+def _announce_json_routes(base_url: str) -> None:
+    if not _json_fallback_announced:
+        _json_fallback_announced.append(True)
+        logger.warning(
+            f"the vLLM server at {base_url} returned R3's routes as base64 inside its JSON answer, not as raw bytes: "
+            "it is not `trl-gspo vllm-serve` of this version (or its vLLM lacks the encoder it replaces). Routes are "
+            "read from the JSON, which costs several times more time and memory at large rounds (docs/gpus.md). "
+            "Fix: start the server with `trl-gspo vllm-serve` (same arguments as `trl vllm-serve`).")
+
+
+def read_completions_answer(response, base_url: str = "the server") -> dict:
+    """A `/v1/completions` answer: a route frame from `trl-gspo vllm-serve` (each choice's `routed_experts` then a
+    `FramedRoute`) or vLLM's JSON (base64 routes; announced once as the slower path)."""
+    from .route_wire import frame_routes, reference_index
+
+    frame = frame_routes(response)
+    if frame is None:
+        body = response.json()
+        if any(choice.get("routed_experts") for choice in body.get("choices", [])):
+            _announce_json_routes(base_url)
+        return body
+    for choice in frame.answer.get("choices", []):
+        index = reference_index(choice.get("routed_experts"))
+        if index is not None:
+            choice["routed_experts"] = FramedRoute(frame, index)
+    return frame.answer
+
+
 @contextlib.contextmanager
 def capture_server_choices(client):
     """Keep the choices of every `/v1/completions` answer TRL's `VLLMClient` receives inside the block (TRL reads
-    their tokens and log-probs, and drops their routes). Wraps the client's `requests.Session.post`; the answer is
-    parsed once, here, and TRL's client reads the same parsed body (with routes it is large: docs/gpus.md)."""
+    their tokens and log-probs, and drops their routes). Wraps the client's `requests.Session.post`: each request asks
+    for the routes as raw bytes (`trl_gspo.sampling.route_wire`; a server that does not frame them answers JSON), the
+    answer is parsed once, here, and TRL's client reads the same parsed body."""
+    from .route_wire import HEADER
+
     choices = []
 
     def keeping(original):
         def post(url, *args, **kwargs):
+            completions = str(url).endswith("/v1/completions")
+            if completions:
+                kwargs["headers"] = {**(kwargs.get("headers") or {}), HEADER: "1"}
             response = original(url, *args, **kwargs)
-            if str(url).endswith("/v1/completions") and response.ok:
-                body = response.json()
+            if completions and response.ok:
+                body = read_completions_answer(response, client.base_url)
                 response.json = lambda **_: body
                 choices.extend(body["choices"])
             return response
