@@ -432,6 +432,32 @@ def test_a_server_killed_mid_run_stops_training_with_one_error_and_the_run_resum
     assert [h["step"] for h in _steps(resumed)] == list(range(1, 13))  # steps 1-8 restored, 9-12 trained
 
 
+def test_a_server_frozen_mid_run_stops_training_and_the_run_resumes_once_it_thaws(tmp_path):
+    """A hung server (SIGSTOP to its process group once a round's request is out: it neither answers nor dies, and
+    TRL's client alone would wait forever): with vllm_server_stall_timeout 20 s the trainer stops with one error that
+    names the server, that it made no progress, the newest complete checkpoint and the resume; thawed (SIGCONT), the
+    same server serves the resumed run to the end. The slow-but-progressing case: tests/test_server_watch.py."""
+    url_dir, servers = tmp_path / "frozen", []
+    run_dir = tmp_path / "run"
+    model_dir = _build_model_dir(tmp_path / "model")
+    options = dict(model_dir=model_dir, routing_replay="sampler", learning_rate=0.0, max_steps=12,
+                   save_strategy="steps", save_steps=4, vllm_server_stall_timeout=20)
+    with _serving(url_dir, model_dir, started=servers) as url:
+        try:
+            started = time.monotonic()
+            output = _run(run_dir, server=url, expect_failure=True, freeze_server_at_round=2,
+                          env={"TRL_GSPO_TEST_SERVER_PGID": str(servers[0].pid)}, **options)
+            seconds = time.monotonic() - started
+        finally:
+            os.killpg(servers[0].pid, signal.SIGCONT)
+        assert f"SamplerServerError: the vLLM server at {url} made no progress for" in output, output[-3000:]
+        assert "vllm_server_stall_timeout (now 20 s)" in output
+        assert f"The newest complete checkpoint is {run_dir / 'checkpoint-8'}" in output
+        assert "resume_from_checkpoint='latest'" in output and seconds < 300
+        resumed = _run(run_dir, server=url, resume=True, **options)
+    assert [h["step"] for h in _steps(resumed)] == list(range(1, 13))  # steps 1-8 restored, 9-12 trained
+
+
 def test_a_server_that_no_longer_holds_the_trained_weights_is_announced(plain_vllm_server, tmp_path):
     """What a restarted server is: TRL 1.16's weight sync to a server is NCCL-only (stubbed on CPU), and a restarted
     server serves the checkpoint it loaded, not the trained weights. With the sync stubbed and a large learning rate

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import numbers
 from dataclasses import dataclass, field
 from fractions import Fraction
@@ -58,6 +59,7 @@ GSPO_CONFIG_FIELDS = ("routing_replay", "routing_replay_offload", "routing_repla
                       "old_logps")
 VLLM_DTYPES = ("auto", "float32", "bfloat16", "float16")
 DEFAULT_MIN_ROUTE_AGREEMENT = 0.75  # routing_replay_min_agreement's default (a plain GRPOConfig has no such field)
+DEFAULT_SERVER_STALL_TIMEOUT = 300.0  # vllm_server_stall_timeout's default, likewise
 
 # GSPO paper (arXiv 2507.18071), Section 5.1: clip range 3e-4 / 4e-4, no KL term, and each rollout batch
 # split into 4 mini-batches for gradient updates.
@@ -174,6 +176,16 @@ class GSPOConfig(GRPOConfig):
             "in another dtype than the trainer. In server mode set the server's --dtype instead."
         },
     )
+    vllm_server_stall_timeout: float = field(
+        default=DEFAULT_SERVER_STALL_TIMEOUT,
+        metadata={
+            "help": "Server mode: seconds a vLLM server may go without progress (its /metrics counters of engine "
+            "steps and tokens stand still, or /metrics does not answer) while a generation request is out, before "
+            "training stops with an error naming the server, the newest complete checkpoint and the resume. TRL's "
+            "client alone waits forever for a hung server. A slow server that makes progress is never stopped. 0 "
+            "turns the watch off."
+        },
+    )
 
     old_logps: str = field(
         default="trainer",
@@ -214,7 +226,8 @@ class GSPOConfig(GRPOConfig):
 _FIELD_TYPES = {"loss_type": (str, "a string", "'gspo'"), "importance_sampling_level": (str, "a string", "'sequence'"),
                 "routing_replay": (str, "a string", "'old'"), "routing_replay_offload": (bool, "a bool", "True"),
                 "routing_replay_min_agreement": (numbers.Real, "a number", "0.75"),
-                "vllm_dtype": (str, "a string", "'float32'"), "old_logps": (str, "a string", "'sampler'"),
+                "vllm_dtype": (str, "a string", "'float32'"),
+                "vllm_server_stall_timeout": (numbers.Real, "a number of seconds", "600"), "old_logps": (str, "a string", "'sampler'"),
                 "epsilon": (numbers.Real, "a number", "3e-4"), "epsilon_high": (numbers.Real, "a number", "4e-4"),
                 "beta": (numbers.Real, "a number", "0.0"), "delta": (numbers.Real, "a number", "1.5"),
                 "steps_per_generation": (numbers.Integral, "an integer", "4")}
@@ -265,6 +278,11 @@ def validate_gspo_args(args: GRPOConfig) -> None:
     if not 0 <= min_agreement <= 1:
         raise _error("routing_replay_min_agreement", f"must lie in [0, 1], got {min_agreement}.",
                      "use the default 0.75, or 0 to turn the check off.")
+    stall_timeout = getattr(args, "vllm_server_stall_timeout", DEFAULT_SERVER_STALL_TIMEOUT)
+    if not (stall_timeout >= 0 and math.isfinite(stall_timeout)):
+        raise _error("vllm_server_stall_timeout", f"must be a finite number of seconds >= 0, got {stall_timeout}.",
+                     f"use the default {DEFAULT_SERVER_STALL_TIMEOUT:.0f}, more for a server that may pause longer, "
+                     "or 0 to turn the watch off.")
     check_old_logps_option(args)
     vllm_dtype = getattr(args, "vllm_dtype", "auto")
     if vllm_dtype not in VLLM_DTYPES:

@@ -12,9 +12,9 @@ from transformers.utils import logging
 from trl import GRPOTrainer
 
 from . import metrics as gspo_metrics
-from .config import (DEFAULT_MIN_ROUTE_AGREEMENT, GSPO_LOSS_TYPES, PAPER_EPSILON_HIGH, PAPER_EPSILON_LOW, GSPOConfig,
-                     refuse_unused_token_advantages, runs_old_policy_pass, setup_summary, validate_gspo_args,
-                     warn_about_setup)
+from .config import (DEFAULT_MIN_ROUTE_AGREEMENT, DEFAULT_SERVER_STALL_TIMEOUT, GSPO_LOSS_TYPES, PAPER_EPSILON_HIGH,
+                     PAPER_EPSILON_LOW, GSPOConfig, refuse_unused_token_advantages, runs_old_policy_pass,
+                     setup_summary, validate_gspo_args, warn_about_setup)
 from .losses import (
     adaptive_entropy_coef,
     applied_entropy_coef,
@@ -122,7 +122,8 @@ class GSPOTrainer(CheckpointMixin, ToolTurnsMixin, GRPOTrainer):
     def _generate_single_turn(self, *args, **kwargs):
         server = self.use_vllm and self.vllm_mode == "server" and self.accelerator.is_main_process
         # a server that dies mid-run: one error naming it, the last checkpoint and how to resume (docs/reliability.md)
-        with server_failures(self.vllm_generation.vllm_client.base_url, self.args.output_dir) if server else (
+        with server_failures(self.vllm_generation.vllm_client, self.args.output_dir, getattr(
+                self.args, "vllm_server_stall_timeout", DEFAULT_SERVER_STALL_TIMEOUT)) if server else (
                 contextlib.nullcontext()):
             if self._routing is None:
                 return super()._generate_single_turn(*args, **kwargs)

@@ -29,8 +29,10 @@ import json
 import logging
 import os
 import shutil
+import signal
 import sys
 import tempfile
+import threading
 from pathlib import Path
 
 import torch
@@ -273,6 +275,7 @@ def main():
     tools = options.pop("tools", False)
     server = options.pop("server", None)
     memory_probe, kill_server_at_round = options.pop("memory_probe", False), options.pop("kill_server_at_round", None)
+    freeze_server_at_round = options.pop("freeze_server_at_round", None)
     vllm_cpu_engine.install(repack=engine != "no_repack", capture=engine != "no_capture")
     weight_syncs = []
     if server:  # NCCL-only in TRL 1.16: no weight transfer between CPU processes (learning rate 0 keeps it moot)
@@ -322,12 +325,22 @@ def main():
     checks = {"passes": 0, "max_forced_diff": 0.0, "max_natural_diff": 0.0, "training_passes": 0,
               "scoring_forwards": 0}
     memory = []  # per generation round: RSS and the tensors alive in the process (memory_probe)
-    if memory_probe or kill_server_at_round is not None:
+    if memory_probe or kill_server_at_round is not None or freeze_server_at_round is not None:
         probed_round = trainer._generate_and_score_completions
 
         def probing(inputs):
             if kill_server_at_round is not None and len(memory) == kill_server_at_round:
                 os.killpg(int(os.environ["TRL_GSPO_TEST_SERVER_PGID"]), 9)  # the server dies between two rounds
+            if freeze_server_at_round is not None and len(memory) == freeze_server_at_round:
+                server_group = int(os.environ["TRL_GSPO_TEST_SERVER_PGID"])  # frozen once its round's request is out
+                original_post = trainer.vllm_generation.vllm_client.session.post
+
+                def post_then_freeze(url, *args, **kwargs):
+                    if str(url).endswith("/v1/completions"):
+                        threading.Timer(0.2, os.killpg, (server_group, signal.SIGSTOP)).start()
+                    return original_post(url, *args, **kwargs)
+
+                trainer.vllm_generation.vllm_client.session.post = post_then_freeze
             output = probed_round(inputs)
             memory.append(_memory_now() if memory_probe else {})
             return output

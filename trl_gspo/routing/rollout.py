@@ -76,40 +76,24 @@ class SampledRoutes:
     sampler_logps: list[torch.Tensor]
 
 
-_CHECK_ROWS = 1 << 22  # (token, layer) rows checked together: bounds the check's memory to a few times k x this
+_CHECK_ROWS = 1 << 15  # (token, layer) rows checked together: their k columns stay in the CPU's cache
 
 
 def check_sampled_routes(sampled: SampledRoutes, num_experts: int, top_k: int, source: str) -> None:
     """Refuse sampler routes that no top-k router produces, before they are replayed: a wrong number of experts per
     token, an index outside `0..num_experts-1`, or the same expert twice in one token's top-k (e.g. all-zero routes
-    from a capture that silently failed). `no_route` rows are skipped. Raises `RoutingReplayError` naming the cause.
+    from a capture that silently failed). `no_route` rows (all k slots) are skipped. Raises `RoutingReplayError`
+    naming the cause.
 
-    Checked in the routes' own dtype, `_CHECK_ROWS` rows at a time (a tensor shared by several samples, e.g. a
-    prompt's routes, once): at the flagship's size (0.85 GB of uint8 routes per round) one check over everything in
-    int64 with a sort grew memory ~25x (benchmarks/server_routes.py)."""
+    Near memory speed (the flagship's round is 0.85 GB of uint8 routes: benchmarks/server_routes.py): in the routes'
+    own dtype, `_CHECK_ROWS` rows at a time, transposed into k columns in a reused buffer that stays in the CPU's
+    cache, so that each of the k - 1 comparisons of the columns at distance d (all pairs of slots) reads contiguous
+    memory; a tensor shared by several samples (a prompt's routes) once. The count of real slots the error names is
+    taken only when there is an error."""
+    import numpy as np
+
     where = f"routing_replay='sampler': the routes {source} returned"
-    counts, example = [0, 0], []  # repeated slots, real slots; one repeated route
-
-    def check(rows: list[torch.Tensor]) -> None:
-        columns = torch.cat(rows).T.contiguous()  # [k, rows]: each comparison below reads two contiguous vectors
-        real = (columns != no_route(columns.dtype)).any(0)  # no_route rows (all k slots) are skipped
-        outside = (columns >= num_experts).any(0) if columns.dtype == torch.uint8 else (
-            (columns >= num_experts) | (columns < 0)).any(0)
-        if bool((outside & real).any()):
-            raise RoutingReplayError(f"{where} hold expert indices outside 0..{num_experts - 1} (the model's "
-                                     "experts). Cause: routes from another model, or misread. Fix: sample with the "
-                                     "model being trained, or set routing_replay='old'.")
-        twice = torch.zeros(columns.shape[1], dtype=torch.bool)
-        for i in range(top_k):
-            for j in range(i + 1, top_k):
-                twice |= columns[i] == columns[j]
-        twice &= real
-        repeated = int(twice.sum())
-        if repeated and not example:
-            example.append(columns[:, twice.nonzero()[0, 0]].tolist())
-        counts[0], counts[1] = counts[0] + repeated, counts[1] + int(real.sum())
-
-    pending, size, seen = [], 0, set()
+    tensors, seen = [], set()
     for routes in (*sampled.prompt_routes, *sampled.completion_routes):
         if not routes.numel() or id(routes) in seen:
             continue
@@ -118,17 +102,46 @@ def check_sampled_routes(sampled: SampledRoutes, num_experts: int, top_k: int, s
             raise RoutingReplayError(f"{where} hold {routes.shape[-1]} experts per token and layer; the model routes "
                                      f"each token to {top_k}. Fix: sample with the model being trained, or set "
                                      "routing_replay='old'.")
-        pending.append(routes.reshape(-1, top_k))
-        size += len(pending[-1])
-        if size >= _CHECK_ROWS:
-            check(pending)
-            pending, size = [], 0
-    if pending:
-        check(pending)
-    if counts[0]:
+        tensors.append(routes.reshape(-1, top_k))
+    repeated, example, buffers = 0, None, {}
+    flags, twice = np.empty((top_k, _CHECK_ROWS), dtype=bool), np.empty(_CHECK_ROWS, dtype=bool)
+    for rows in tensors:
+        array = rows.numpy()
+        unrouted_value = no_route(rows.dtype)
+        if array.dtype not in buffers:
+            buffers[array.dtype] = np.empty((top_k, _CHECK_ROWS), dtype=array.dtype)
+        for start in range(0, len(array), _CHECK_ROWS):
+            chunk = array[start:start + _CHECK_ROWS]
+            columns, flag, twice_here = buffers[array.dtype][:, :len(chunk)], flags[:, :len(chunk)], twice[:len(chunk)]
+            np.copyto(columns, chunk.T)
+            np.greater_equal(columns, num_experts, out=flag)  # no_route itself is outside: a row mixing it is refused
+            outside = np.logical_or.reduce(flag, axis=0)
+            if np.issubdtype(array.dtype, np.signedinteger):
+                outside |= np.logical_or.reduce(columns < 0, axis=0)
+            unrouted = None
+            if outside.any():
+                np.equal(columns, unrouted_value, out=flag)
+                unrouted = np.logical_and.reduce(flag, axis=0)  # no_route rows: skipped
+                if (outside & ~unrouted).any():
+                    raise RoutingReplayError(f"{where} hold expert indices outside 0..{num_experts - 1} (the "
+                                             "model's experts). Cause: routes from another model, or misread. Fix: "
+                                             "sample with the model being trained, or set routing_replay='old'.")
+            twice_here[:] = False
+            for distance in range(1, top_k):  # slots i and i + distance, every i at once
+                same = flag[:top_k - distance]
+                np.equal(columns[:top_k - distance], columns[distance:], out=same)
+                twice_here |= np.logical_or.reduce(same, axis=0)
+            if unrouted is not None:
+                twice_here &= ~unrouted
+            count = int(np.count_nonzero(twice_here))
+            if count and example is None:
+                example = chunk[int(twice_here.argmax())].tolist()
+            repeated += count
+    if repeated:
+        real = sum(int((rows != no_route(rows.dtype)).any(1).sum()) for rows in tensors)  # for the message only
         raise RoutingReplayError(
-            f"{where} name the same expert twice within one token's top-{top_k} in {counts[0]} of "
-            f"{counts[1]} (token, layer) slots, e.g. {example[0]}; no top-k router does that. Cause: the sampler's "
+            f"{where} name the same expert twice within one token's top-{top_k} in {repeated} of "
+            f"{real} (token, layer) slots, e.g. {example}; no top-k router does that. Cause: the sampler's "
             "route capture returned placeholders (all-zero routes: a capture that was compiled away or never "
             "bound), or misaligned data. Fix: use a vLLM build whose MoE kernel supports routed-experts capture "
             "(docs/sampling.md), or set routing_replay='old'.")

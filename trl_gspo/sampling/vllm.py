@@ -174,25 +174,53 @@ class SamplerServerError(RuntimeError):
 
 
 @contextlib.contextmanager
-def server_failures(base_url: str, output_dir: str):
-    """Around a server-mode generation call (TRL's weight sync and generate): a server that died or restarted and
-    refuses the connection, or drops it mid-answer, becomes one `SamplerServerError` naming the server, the newest
-    complete checkpoint and how to resume, instead of a connection traceback from inside TRL's client."""
-    import requests
+def server_failures(client, output_dir: str, stall_timeout: float = 0.0):
+    """Around a server-mode generation call (TRL's weight sync and generate), on the main process: a server that died
+    or restarted and refuses the connection, drops it mid-answer, or hangs (no progress for `stall_timeout` seconds
+    while a generation request is out: `trl_gspo.sampling.server_watch`; 0 waits forever, as TRL does) becomes one
+    `SamplerServerError` naming the server, the newest complete checkpoint and how to resume, instead of a connection
+    traceback from inside TRL's client or a run that never ends."""
+    from .server_watch import GENERATION_ENDPOINTS, ServerStalled, watch_generation
 
-    try:
-        yield
-    except (requests.exceptions.ConnectionError, requests.exceptions.ChunkedEncodingError) as err:
+    try:  # TRL's client's transport (its `vllm` extra); absent, no such error can come
+        import requests
+
+        connection_errors = (requests.exceptions.ConnectionError, requests.exceptions.ChunkedEncodingError)
+    except ImportError:
+        connection_errors = ()
+
+    base_url = client.base_url
+
+    def watching(original):
+        def post(url, *args, **kwargs):
+            if not str(url).endswith(GENERATION_ENDPOINTS):
+                return original(url, *args, **kwargs)
+            return watch_generation(lambda: original(url, *args, **kwargs), base_url, stall_timeout)
+        return post
+
+    def stopped(what: str, err: BaseException) -> SamplerServerError:
         from ..checkpoints import latest_complete_checkpoint
 
         checkpoint = latest_complete_checkpoint(output_dir)[0]
         saved = (f"The newest complete checkpoint is {checkpoint}." if checkpoint else
                  f"No complete checkpoint was saved in {output_dir} yet (set save_steps).")
-        raise SamplerServerError(
-            f"the vLLM server at {base_url} stopped answering during generation ({type(err).__name__}); training "
-            f"stopped here. {saved} Fix: start the server again with the same command (`trl-gspo vllm-serve ...`) "
-            "and resume with resume_from_checkpoint='latest' (YAML: `resume_from_checkpoint: latest`); the run "
-            "continues from that checkpoint exactly (docs/reliability.md).") from err
+        return SamplerServerError(
+            f"the vLLM server at {base_url} {what}; training stopped here. {saved} Fix: start the server again with "
+            "the same command (`trl-gspo vllm-serve ...`) and resume with resume_from_checkpoint='latest' (YAML: "
+            "`resume_from_checkpoint: latest`); the run continues from that checkpoint exactly "
+            "(docs/reliability.md).")
+
+    with wrapping_method(client.session, "post", watching) if stall_timeout else contextlib.nullcontext():
+        try:
+            yield
+        except connection_errors as err:
+            raise stopped(f"stopped answering during generation ({type(err).__name__})", err) from err
+        except ServerStalled as err:
+            raise stopped(
+                f"made no progress for {err.seconds:.0f} s while a generation request was out (its /metrics counters "
+                "of engine steps and tokens stood still, or /metrics did not answer): it hangs (stopped, deadlocked, "
+                "or its GPU stopped responding). If it is only slow, raise vllm_server_stall_timeout "
+                f"(now {stall_timeout:g} s)", err) from err
 
 
 @contextlib.contextmanager
@@ -341,8 +369,8 @@ def routes_from_server(choices: list[dict], index_dtype: torch.dtype = torch.uin
         return decode
 
     requests = [SimpleNamespace(prompt_token_ids=choice["prompt_token_ids"], outputs=[SimpleNamespace(
-        token_ids=choice["token_ids"], routed_experts=decoder(choice) if _has_routes(choice.get("routed_experts")) else None)])
-        for choice in choices]
+        token_ids=choice["token_ids"],
+        routed_experts=decoder(choice) if _has_routes(choice.get("routed_experts")) else None)]) for choice in choices]
     return routes_from_vllm(requests, index_dtype, server=True)
 
 
