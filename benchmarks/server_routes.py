@@ -218,6 +218,24 @@ class _nothing:
         return False
 
 
+def _call_into(queue, function, args):
+    queue.put(function(*args))
+
+
+def in_child(function, *args):
+    """`function(*args)` in a fresh process: a child's peak RSS starts at its parent's (Linux keeps the high-water
+    mark across fork and exec), so the parent, which spawns every measured round, never holds a big buffer."""
+    import multiprocessing
+
+    context = multiprocessing.get_context("spawn")
+    queue = context.Queue()
+    child = context.Process(target=_call_into, args=(queue, function, args))
+    child.start()
+    result = queue.get()
+    child.join()
+    return result
+
+
 def measure(answer: Path, size: str, form: str, world: int) -> tuple[float, list[float], dict]:
     import torch.multiprocessing as mp
 
@@ -265,15 +283,15 @@ def main():
     for size in options.sizes.split(","):
         prompts, generations, prompt_len, completion_len, layers, top_k, _ = SIZES[size]
         answers, encoding = {}, {}
+        raw = prompts * generations * (prompt_len + completion_len - 1) * layers * top_k
         for form in FORMS:
             answers[form] = Path(options.cache) / f"server_answer_{size}_{form}.bin"
             timing = answers[form].with_suffix(".seconds")
             if not answers[form].exists() or not timing.exists():
                 answers[form].parent.mkdir(parents=True, exist_ok=True)
-                timing.write_text(str(write_answer(answers[form], size, form)))
+                timing.write_text(str(in_child(write_answer, answers[form], size, form)))
             encoding[form] = float(timing.read_text())
-        raw = prompts * generations * (prompt_len + completion_len - 1) * layers * top_k
-        bandwidth, floor = memory_floor(raw)
+        bandwidth, floor = in_child(memory_floor, raw)
         sizes = ", ".join(f"{form} {answers[form].stat().st_size / 1e9:.2f} GB" for form in FORMS)
         print(f"\n{size}: {prompts * generations} completions of {prompt_len} + {completion_len} tokens, {layers} x "
               f"top-{top_k}: routes {raw / 1e9:.2f} GB; answer: {sizes}")

@@ -283,10 +283,11 @@ def test_tensor_parallel_2_under_zero3_syncs_every_round(tmp_path):
 
 
 @contextlib.contextmanager
-def _serving(root, model_dir, max_model_len=128, started=None):
+def _serving(root, model_dir, max_model_len=128, started=None, extra=()):
     """A real vLLM server, `trl-gspo vllm-serve --model MODEL_DIR` on loopback, until the block ends; yields its URL.
     Its processes load tests/vllm_cpu_engine.py as a vLLM plugin (route capture in the CPU MoE kernel). `started`: a
-    list that receives the server's process (its process group: the server and its engine)."""
+    list that receives the server's process (its process group: the server and its engine); `extra`: more arguments.
+    """
     import vllm_cpu_engine
 
     port = _free_port()
@@ -296,7 +297,7 @@ def _serving(root, model_dir, max_model_len=128, started=None):
         server = subprocess.Popen(
             [sys.executable, "-m", "trl_gspo.launch.cli", "vllm-serve", "--model", str(model_dir),
              "--host", "127.0.0.1", "--port", str(port), "--max_model_len", str(max_model_len),
-             "--enforce_eager", "true"],
+             "--enforce_eager", "true", *extra],
             stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
             env=cpu_env(VLLM_CPU_KVCACHE_SPACE="1", TOKENIZERS_PARALLELISM="false",
                         PYTHONPATH=vllm_cpu_engine.write_plugin(root / "plugin")))
@@ -432,29 +433,80 @@ def test_a_server_killed_mid_run_stops_training_with_one_error_and_the_run_resum
     assert [h["step"] for h in _steps(resumed)] == list(range(1, 13))  # steps 1-8 restored, 9-12 trained
 
 
-def test_a_server_frozen_mid_run_stops_training_and_the_run_resumes_once_it_thaws(tmp_path):
+@pytest.fixture(scope="module")
+def small_block_server(tmp_path_factory):
+    """A real `trl-gspo vllm-serve` with 32-token KV blocks (vllm-cpu's default block is 128 tokens, the other servers'
+    whole context), so that a prompt of a few blocks is served from the prefix cache. Yields (url, model dir, the
+    server's process)."""
+    root = tmp_path_factory.mktemp("small_block_server")
+    model_dir = _build_model_dir(root / "model")
+    started = []
+    with _serving(root, model_dir, max_model_len=256, started=started, extra=("--block-size", "32")) as url:
+        yield url, model_dir, started[0]
+
+
+def _completions(url, prompt, n):
+    """`/v1/completions` asking for the routes as bytes, as GSPOTrainer's client does: (answer, route frame)."""
+    from trl_gspo.sampling import route_wire
+
+    model = json.loads(urllib.request.urlopen(url + "/v1/models", timeout=30).read())["data"][0]["id"]
+    request = urllib.request.Request(url + "/v1/completions", method="POST", headers={
+        "content-type": "application/json", route_wire.HEADER: "1"}, data=json.dumps({
+            "model": model, "prompt": [prompt], "n": n, "max_tokens": 4, "temperature": 1.0,
+            "return_token_ids": True}).encode())
+    with urllib.request.urlopen(request, timeout=120) as response:
+        assert response.headers["content-type"] == route_wire.CONTENT_TYPE  # the middleware framed it
+        frame = route_wire.Frame(response.read())
+    return frame.answer, frame
+
+
+def _prefix_cache_hits(url):
+    text = urllib.request.urlopen(url + "/metrics", timeout=30).read().decode()
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith("vllm:prefix_cache_hits_total"))
+
+
+def test_prompt_routes_from_the_prefix_cache_are_the_computed_ones_and_travel_once(small_block_server):
+    """What vLLM returns for prompt tokens its prefix cache serves (item 2 of issue 45, checked before relying on
+    it): a 100-token prompt (three full 32-token blocks) asked twice; the second request is served from the cache
+    (vLLM's prefix-cache hit counter grows by its 96 cached tokens) and its prompt routes equal the first request's,
+    computed ones, row for row. In the route frame, the n = 3 completions of a prompt carry its rows once: every
+    choice after the first shares at least the prompt's rows with the one before."""
+    url, _, _ = small_block_server
+    prompt = [3 + (7 * i) % 90 for i in range(100)]
+    first, first_frame = _completions(url, prompt, n=3)
+    hits = _prefix_cache_hits(url)
+    second, second_frame = _completions(url, prompt, n=1)
+    assert _prefix_cache_hits(url) - hits >= 96
+    computed = first_frame.array(0)[:len(prompt)]
+    cached = second_frame.array(0)[:len(prompt)]
+    assert computed.shape == (100, 2, 2) and (computed != 0).any()  # the tiny Qwen3-MoE: 2 MoE layers, top-2
+    assert (cached == computed).all()
+    assert [entry["shared"] >= len(prompt) for entry in first_frame.index] == [False, True, True]
+    assert len(first["choices"]) == 3 and len(second["choices"]) == 1
+
+
+def test_a_server_frozen_mid_run_stops_training_and_the_run_resumes_once_it_thaws(small_block_server, tmp_path):
     """A hung server (SIGSTOP to its process group once a round's request is out: it neither answers nor dies, and
     TRL's client alone would wait forever): with vllm_server_stall_timeout 20 s the trainer stops with one error that
     names the server, that it made no progress, the newest complete checkpoint and the resume; thawed (SIGCONT), the
     same server serves the resumed run to the end. The slow-but-progressing case: tests/test_server_watch.py."""
-    url_dir, servers = tmp_path / "frozen", []
+    url, model_dir, server = small_block_server
     run_dir = tmp_path / "run"
-    model_dir = _build_model_dir(tmp_path / "model")
     options = dict(model_dir=model_dir, routing_replay="sampler", learning_rate=0.0, max_steps=12,
                    save_strategy="steps", save_steps=4, vllm_server_stall_timeout=20)
-    with _serving(url_dir, model_dir, started=servers) as url:
-        try:
-            started = time.monotonic()
-            output = _run(run_dir, server=url, expect_failure=True, freeze_server_at_round=2,
-                          env={"TRL_GSPO_TEST_SERVER_PGID": str(servers[0].pid)}, **options)
-            seconds = time.monotonic() - started
-        finally:
-            os.killpg(servers[0].pid, signal.SIGCONT)
-        assert f"SamplerServerError: the vLLM server at {url} made no progress for" in output, output[-3000:]
-        assert "vllm_server_stall_timeout (now 20 s)" in output
-        assert f"The newest complete checkpoint is {run_dir / 'checkpoint-8'}" in output
-        assert "resume_from_checkpoint='latest'" in output and seconds < 300
-        resumed = _run(run_dir, server=url, resume=True, **options)
+    try:
+        started = time.monotonic()
+        output = _run(run_dir, server=url, expect_failure=True, freeze_server_at_round=2,
+                      env={"TRL_GSPO_TEST_SERVER_PGID": str(server.pid)}, **options)
+        seconds = time.monotonic() - started
+    finally:
+        os.killpg(server.pid, signal.SIGCONT)
+    assert f"SamplerServerError: the vLLM server at {url} made no progress for" in output, output[-3000:]
+    assert "vllm_server_stall_timeout (now 20 s)" in output
+    assert f"The newest complete checkpoint is {run_dir / 'checkpoint-8'}" in output
+    assert "resume_from_checkpoint='latest'" in output and seconds < 300
+    resumed = _run(run_dir, server=url, resume=True, **options)
     assert [h["step"] for h in _steps(resumed)] == list(range(1, 13))  # steps 1-8 restored, 9-12 trained
 
 
