@@ -13,14 +13,17 @@ A synthetic answer shaped like vLLM's is built once per form (real `/v1/completi
 `token_ids`, `logprobs` as TRL asks for them, routes), and each measured round runs in fresh processes (1 or 2, gloo
 on CPU) through TRL's own client (`VLLMClient.generate` on a session that returns the answer) and TRL's broadcast
 and slice of the payload, with trl-gspo's `capture_routes` around it exactly as `GSPOTrainer` calls it. Printed per
-size and process count: wall time of the round and each rank's peak RSS (the whole process: imports, the answer's
-bytes on the main process, the round) without routes (TRL's own cost) and with each form; the seconds spent in each
-stage of the route path (reading the answer, handing out, splitting per completion, the check), summed over ranks;
-and the floor: the routes' bytes copied once at this machine's measured memory bandwidth. The server's own cost
+size and process count: wall time of the round and each rank's peak RSS (the whole process: imports, the answer
+as the main process reads it from a stream, as from a socket, the round) without routes (TRL's own cost) and with
+each form; the seconds spent in each stage of the route path (reading the answer, handing out, splitting per
+completion, the check), summed over ranks; and the floor: the routes' bytes copied once at this machine's measured
+memory bandwidth. Each rank computes with the machine's cores shared among the ranks, as `accelerate launch` sets
+them. The server's own cost
 (encoding the routes: base64 `.npy` per choice, or the frame) is printed once per size.
 
     python benchmarks/server_routes.py                 # small (64 x 1k tokens) and flagship (512 x 4.3k, 48 x 8)
     python benchmarks/server_routes.py --sizes small   # seconds
+    python benchmarks/server_routes.py --sizes flagship --processes 1 --repeats 3   # medians of 3, side by side
 
 Flagship: 512 completions (64 prompts x 8 generations) of 300 prompt + 4000 completion tokens, 48 MoE layers, top-8
 of 128 experts (Qwen3-30B-A3B): 0.85 GB of routes, 1.1 GB of base64 in the JSON answer. Needs ~8 GB of RAM. Last line,
@@ -44,6 +47,7 @@ from queue import Empty
 
 import numpy as np
 
+FRAME_VERSION = "frame2"  # cached answers of an older frame layout are not reused
 FORMS = ("plain", "json", "bytes")  # no routes (TRL's own round), vLLM's base64 in JSON, trl-gspo's route frame
 SIZES = {  # prompts, generations, prompt tokens, completion tokens, MoE layers, top_k, experts
     "small": (8, 8, 100, 900, 48, 8, 128),
@@ -107,16 +111,21 @@ def write_answer(path: Path, size: str, form: str) -> float:
     return encoding
 
 
-def memory_floor(nbytes: int) -> tuple[float, float]:
-    """(GB/s, seconds): one copy of `nbytes` at this machine's memory bandwidth (best of 3 copies, numpy)."""
+def memory_floor(nbytes: int) -> tuple[float, float, float]:
+    """(GB/s, seconds, seconds into fresh memory): one copy of `nbytes` at this machine's memory bandwidth (best of 3
+    copies into memory already written, numpy), and one copy into memory just allocated, as receiving the routes
+    needs (its pages are mapped on first write)."""
     source = np.ones(nbytes, dtype=np.uint8)
+    start = time.perf_counter()
     target = np.empty_like(source)
+    np.copyto(target, source)
+    fresh = time.perf_counter() - start
     best = float("inf")
     for _ in range(3):
         start = time.perf_counter()
         np.copyto(target, source)
         best = min(best, time.perf_counter() - start)
-    return nbytes / best / 1e9, best
+    return nbytes / best / 1e9, best, fresh
 
 
 def _peak_mb() -> float:
@@ -164,23 +173,23 @@ def one_round(rank: int, world: int, port: int, answer: str, size: str, form: st
     from trl_gspo.sampling.route_wire import CONTENT_TYPE
     from trl_gspo.sampling.vllm import capture_routes
 
-    torch.set_num_threads(1)
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))  # the machine's cores shared, as a launch does
     stages = {}
     _timed(stages)
     state = PartialState(cpu=True, backend="gloo")
     prompts, generations, _, _, _, top_k, experts = SIZES[size]
     routes = form != "plain"
     client = None
-    if state.is_main_process:  # the answer as requests holds it: the response body, bytes
-        body = Path(answer).read_bytes()
+    if state.is_main_process:
         client = VLLMClient.__new__(VLLMClient)  # no server: the session below answers
         client.base_url, client.model = "http://127.0.0.1:8000", "m"
 
         class Session:
-            def post(self, url, **kwargs):
+            def post(self, url, **kwargs):  # the answer is read from a file (page cache) as from a socket
                 response = requests.Response()
-                response.status_code, response._content, response.url = 200, body, url
+                response.status_code, response.raw, response.url = 200, open(answer, "rb"), url
                 response.headers["content-type"] = CONTENT_TYPE if form == "bytes" else "application/json"
+                response.headers["content-length"] = str(Path(answer).stat().st_size)
                 return response
 
         client.session = Session()
@@ -194,7 +203,6 @@ def one_round(rank: int, world: int, port: int, answer: str, size: str, form: st
         if state.is_main_process:
             output = client.generate(prompts=[[0]] * prompts, n=generations, max_tokens=4000, logprobs=0)
             payload = (output["prompt_ids"], output["completion_ids"], output["logprobs"])
-            del body
         shared = [payload]
         broadcast_object_list(shared, from_process=0)
         completion_ids = shared[0][1][rank * per_rank:(rank + 1) * per_rank]
@@ -272,6 +280,7 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--sizes", default="small,flagship")
     parser.add_argument("--processes", default="1,2")
+    parser.add_argument("--repeats", type=int, default=1, help="rounds per form, side by side; the median is shown")
     parser.add_argument("--cache", default=os.path.join(tempfile.gettempdir(), "trl_gspo_bench"))
     options = parser.parse_args()
     sys.path.insert(0, str(Path(__file__).parent))
@@ -285,27 +294,35 @@ def main():
         answers, encoding = {}, {}
         raw = prompts * generations * (prompt_len + completion_len - 1) * layers * top_k
         for form in FORMS:
-            answers[form] = Path(options.cache) / f"server_answer_{size}_{form}.bin"
+            answers[form] = Path(options.cache) / f"server_answer_{size}_{form}_{FRAME_VERSION}.bin"
             timing = answers[form].with_suffix(".seconds")
             if not answers[form].exists() or not timing.exists():
                 answers[form].parent.mkdir(parents=True, exist_ok=True)
                 timing.write_text(str(in_child(write_answer, answers[form], size, form)))
             encoding[form] = float(timing.read_text())
-        bandwidth, floor = in_child(memory_floor, raw)
+        bandwidth, floor, fresh = in_child(memory_floor, raw)
         sizes = ", ".join(f"{form} {answers[form].stat().st_size / 1e9:.2f} GB" for form in FORMS)
         print(f"\n{size}: {prompts * generations} completions of {prompt_len} + {completion_len} tokens, {layers} x "
               f"top-{top_k}: routes {raw / 1e9:.2f} GB; answer: {sizes}")
-        print(f"floor: one copy of the routes at this machine's {bandwidth:.1f} GB/s = {floor:.2f} s; the server "
+        print(f"floor: one copy of the routes at this machine's {bandwidth:.1f} GB/s = {floor:.2f} s ({fresh:.2f} s "
+              "into memory just allocated, as a receiver's); the server "
               f"encodes them in {encoding['json']:.2f} s as base64 .npy (json), {encoding['bytes']:.2f} s as a frame "
               "(bytes)")
         print(f"{'processes':>9} {'s without':>10} {'s json':>7} {'s bytes':>8} {'bytes-plain':>12}   peak RSS MB "
               "per rank (without | json | bytes)")
         for world in map(int, options.processes.split(",")):
-            results = {form: measure(answers[form], size, form, world) for form in FORMS}
+            runs = {form: [] for form in FORMS}
+            for repeat in range(options.repeats):  # the forms side by side, in rotating order
+                for form in FORMS[repeat % 3:] + FORMS[:repeat % 3]:
+                    runs[form].append(measure(answers[form], size, form, world))
+            median = {form: sorted(runs[form], key=lambda run: run[0])[len(runs[form]) // 2] for form in FORMS}
             (plain_s, plain_mb, _), (json_s, json_mb, json_stages), (bytes_s, bytes_mb, bytes_stages) = (
-                results[form] for form in FORMS)
+                median[form] for form in FORMS)
             print(f"{world:>9} {plain_s:>10.2f} {json_s:>7.2f} {bytes_s:>8.2f} {bytes_s - plain_s:>12.2f}   "
                   + " | ".join(" ".join(f"{m:.0f}" for m in mb) for mb in (plain_mb, json_mb, bytes_mb)), flush=True)
+            if options.repeats > 1:
+                print("          every run, s: " + "; ".join(
+                    f"{form} " + " ".join(f"{run[0]:.2f}" for run in runs[form]) for form in FORMS))
             print("          stages, s summed over ranks (json -> bytes): " + ", ".join(
                 f"{stage} {json_stages.get(stage, 0):.2f} -> {bytes_stages.get(stage, 0):.2f}" for stage in STAGES))
             figures.append(f"{size}:{world} {bytes_s:.2f} {json_s:.2f} {plain_s:.2f}")

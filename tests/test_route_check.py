@@ -39,8 +39,10 @@ def _routes(generator, rows, layers, k, experts, dtype):
 @pytest.mark.parametrize("dtype, experts, k", [(torch.uint8, 128, 8), (torch.uint8, 4, 2), (torch.int16, 300, 4),
                                                (torch.int32, 16, 1), (torch.uint8, 40, 8)])
 @pytest.mark.parametrize("fault", ["none", "twice", "outside", "mixed_unrouted", "negative"])
-def test_the_check_agrees_with_the_reference(dtype, experts, k, fault, monkeypatch):
+@pytest.mark.parametrize("threads", [1, 3])
+def test_the_check_agrees_with_the_reference(dtype, experts, k, fault, threads, monkeypatch):
     monkeypatch.setattr(rollout, "_CHECK_ROWS", 64)  # many chunks, and tensors that straddle them
+    monkeypatch.setattr(torch, "get_num_threads", lambda: threads)  # the chunks split over this many threads
     generator = torch.Generator().manual_seed(hash((str(dtype), experts, k, fault)) % 2**31)
     prompt = _routes(generator, 7, 3, k, experts, dtype)
     completions = [_routes(generator, rows, 3, k, experts, dtype) for rows in (5, 40, 1, 23)]

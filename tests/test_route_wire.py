@@ -29,24 +29,42 @@ def _arrays(seed=0):
 def test_a_frame_carries_the_answer_and_every_array_exactly():
     arrays = _arrays()
     answer = {"choices": [{"token_ids": [i], "routed_experts": f"#{i}"} for i in range(len(arrays))]}
-    frame = route_wire.Frame(b"".join(route_wire.encode_frame(json.dumps(answer).encode(), arrays)))
+    frame = route_wire.Frame.parse(b"".join(route_wire.encode_frame(json.dumps(answer).encode(), arrays)))
     assert frame.answer == answer
     shared = [entry["shared"] for entry in frame.index]
     assert shared == [0, 5, 6, 5, 0, 3, 3, 0, 0]  # prompt rows once per prompt; 6: all of the one before
     for i, array in enumerate(arrays):
         got = frame.array(i)
         assert got.dtype == array.dtype and got.shape == array.shape and np.array_equal(got, array)
-        assert np.array_equal(frame.rows(i, 2, 6), array[2:6])
-    assert frame.own_rows(0).base is not None  # a view of the frame's bytes, not a copy
-    # the bytes on the wire: each array's rows after its shared ones, nothing else
-    routes_bytes = sum(a[s:].nbytes for a, s in zip(arrays, shared))
-    assert len(frame._routes) == routes_bytes < sum(a.nbytes for a in arrays)
+        # stored with one more row, no_route (the dtype's maximum): R3's row for the last token, used in place
+        padded = np.concatenate([array, np.full((1, *array.shape[1:]), np.iinfo(array.dtype).max, array.dtype)])
+        assert np.array_equal(frame.rows(i, 0, len(padded)), padded)
+        assert np.array_equal(frame.rows(i, 2, 6), padded[2:6])
+    assert frame.own_rows(0).base is not None and frame.own_rows(0).flags.writeable  # a view of the bytes, no copy
+    # the bytes on the wire: each array's rows after its shared ones and its no_route row, nothing else
+    row_bytes = [int(np.prod(a.shape[1:])) * a.itemsize for a in arrays]
+    routes_bytes = sum(a[s:].nbytes + row for a, s, row in zip(arrays, shared, row_bytes))
+    assert len(frame._routes) == routes_bytes < sum(a.nbytes for a in arrays) + sum(row_bytes)
+
+
+def test_a_part_of_a_frame_is_a_frame_of_its_own():
+    """What the main process sends a rank: arrays first..last, the first's shared rows resolved, in one buffer."""
+    arrays = _arrays()
+    frame = route_wire.Frame.parse(b"".join(route_wire.encode_frame(b"{}", arrays)))
+    for first, last in [(1, 3), (2, 2), (0, len(arrays) - 1), (5, 6)]:
+        index, data = frame.part(first, last)
+        part = route_wire.Frame(index, bytearray(data.tobytes()))
+        assert index[0]["shared"] == 0
+        for j, i in enumerate(range(first, last + 1)):
+            assert np.array_equal(part.array(j), arrays[i])
+        assert data.nbytes <= sum(arrays[i].nbytes + int(np.prod(arrays[i].shape[1:])) * arrays[i].itemsize
+                                  for i in range(first, last + 1))
 
 
 def test_a_frame_is_refused_when_it_is_not_one():
     with pytest.raises(ValueError, match="not a trl-gspo route frame"):
-        route_wire.Frame(b'{"choices": []}')
-    frame = route_wire.Frame(b"".join(route_wire.encode_frame(b"{}", [np.zeros((2, 1, 1), np.uint8)])))
+        route_wire.Frame.parse(b'{"choices": []}')
+    frame = route_wire.Frame.parse(b"".join(route_wire.encode_frame(b"{}", [np.zeros((2, 1, 1), np.uint8)])))
     frame.index[0]["shared"] = 1  # a first array cannot share rows with one before it
     with pytest.raises(ValueError, match="first array claims rows shared"):
         frame.array(0)
@@ -58,6 +76,7 @@ def test_shared_rows_is_the_longest_common_prefix():
     b[4, 1, 0] += 1
     assert route_wire.shared_rows(None, a) == 0
     assert route_wire.shared_rows(a, b) == 4
+    assert [route_wire.shared_rows(a, b, block) for block in (1, 2, 3, 5)] == [4, 4, 4, 4]  # blocks of rows
     assert route_wire.shared_rows(a, a[:3]) == 3
     assert route_wire.shared_rows(a, a.astype(np.int16)) == 0
     assert route_wire.shared_rows(a, a.reshape(6, 4, 1)) == 0
@@ -96,7 +115,7 @@ def test_the_server_middleware_frames_only_the_answers_that_ask(monkeypatch):
     status, headers, body = _call(middleware, "/v1/completions", asks)
     assert status == 200 and headers[b"content-type"] == route_wire.CONTENT_TYPE.encode()
     assert int(headers[b"content-length"]) == len(body)
-    frame = route_wire.Frame(body)
+    frame = route_wire.Frame.parse(body)
     references = [choice["routed_experts"] for choice in frame.answer["choices"]]
     assert references == [f"#{i}" for i in range(len(arrays))]
     assert all(np.array_equal(frame.array(route_wire.reference_index(r)), a) for r, a in zip(references, arrays))

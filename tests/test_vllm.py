@@ -456,7 +456,7 @@ def _completions(url, prompt, n):
             "return_token_ids": True}).encode())
     with urllib.request.urlopen(request, timeout=120) as response:
         assert response.headers["content-type"] == route_wire.CONTENT_TYPE  # the middleware framed it
-        frame = route_wire.Frame(response.read())
+        frame = route_wire.Frame.parse(response.read())
     return frame.answer, frame
 
 

@@ -293,13 +293,14 @@ def test_server_routes_follow_trls_process_slice(tokenizer, framed, monkeypatch)
         kept[process_index] = take([[3, 3], [5, 5]][process_index], torch.uint8)
         if main:  # rank 1 got only its two choices (scatter, not broadcast), and they left the main process
             assert [dst for dst, _ in objects] == [1]
-            part, layout = objects[0][1]
+            part, index = objects[0][1]
             assert [c["token_ids"] for c in part] == [COMPLETIONS[2]] * 2
-            if framed:  # the routes travel as bytes in one tensor, not pickled
-                assert [dst for dst, _ in tensors] == [1] and len(layout) == 2
-                assert tensors[0][1].numel() == sum(int(np.prod(shape)) for _, shape in layout)
+            if framed:  # the routes travel as bytes in one tensor (a frame of rank 1's own), not pickled
+                assert [dst for dst, _ in tensors] == [1] and len(index) == 2 and index[0]["shared"] == 0
+                assert [c["routed_experts"] for c in part] == [0, 1]  # places in that frame
+                assert tensors[0][1].numel() == sum(entry["nbytes"] for entry in index)
             else:
-                assert tensors == [] and all(isinstance(c["routed_experts"], str) for c in part)
+                assert tensors == [] and index == [] and all(isinstance(c["routed_experts"], str) for c in part)
             assert [c["routed_experts"] for c in answer["choices"]] == [None] * 4  # decoded or sent: dropped
     for process_index in (0, 1):
         mine = slice(2 * process_index, 2 * process_index + 2)

@@ -88,8 +88,9 @@ def check_sampled_routes(sampled: SampledRoutes, num_experts: int, top_k: int, s
     Near memory speed (the flagship's round is 0.85 GB of uint8 routes: benchmarks/server_routes.py): in the routes'
     own dtype, `_CHECK_ROWS` rows at a time, transposed into k columns in a reused buffer that stays in the CPU's
     cache, so that each of the k - 1 comparisons of the columns at distance d (all pairs of slots) reads contiguous
-    memory; a tensor shared by several samples (a prompt's routes) once. The count of real slots the error names is
-    taken only when there is an error."""
+    memory; a tensor shared by several samples (a prompt's routes) once; the chunks split over
+    `torch.get_num_threads()` threads (numpy releases the GIL). The count of real slots the error names is taken only
+    when there is an error."""
     import numpy as np
 
     where = f"routing_replay='sampler': the routes {source} returned"
@@ -103,29 +104,29 @@ def check_sampled_routes(sampled: SampledRoutes, num_experts: int, top_k: int, s
                                      f"each token to {top_k}. Fix: sample with the model being trained, or set "
                                      "routing_replay='old'.")
         tensors.append(routes.reshape(-1, top_k))
-    repeated, example, buffers = 0, None, {}
-    flags, twice = np.empty((top_k, _CHECK_ROWS), dtype=bool), np.empty(_CHECK_ROWS, dtype=bool)
-    for rows in tensors:
-        array = rows.numpy()
-        unrouted_value = no_route(rows.dtype)
-        if array.dtype not in buffers:
-            buffers[array.dtype] = np.empty((top_k, _CHECK_ROWS), dtype=array.dtype)
-        for start in range(0, len(array), _CHECK_ROWS):
-            chunk = array[start:start + _CHECK_ROWS]
-            columns, flag, twice_here = buffers[array.dtype][:, :len(chunk)], flags[:, :len(chunk)], twice[:len(chunk)]
+    chunks = [(rows, start) for rows in tensors for start in range(0, len(rows), _CHECK_ROWS)]
+    workers = max(1, min(torch.get_num_threads(), len(chunks)))  # numpy releases the GIL in these loops
+
+    def check_chunks(share: list) -> tuple[bool, int, list | None]:
+        """(an index outside, repeated rows, one repeated row) over `share`, with this worker's own buffers."""
+        buffers, flags = {}, np.empty((top_k, _CHECK_ROWS), dtype=bool)
+        twice, repeated, example = np.empty(_CHECK_ROWS, dtype=bool), 0, None
+        for rows, start in share:
+            chunk = rows[start:start + _CHECK_ROWS].numpy()
+            if chunk.dtype not in buffers:
+                buffers[chunk.dtype] = np.empty((top_k, _CHECK_ROWS), dtype=chunk.dtype)
+            columns, flag, twice_here = buffers[chunk.dtype][:, :len(chunk)], flags[:, :len(chunk)], twice[:len(chunk)]
             np.copyto(columns, chunk.T)
             np.greater_equal(columns, num_experts, out=flag)  # no_route itself is outside: a row mixing it is refused
             outside = np.logical_or.reduce(flag, axis=0)
-            if np.issubdtype(array.dtype, np.signedinteger):
+            if np.issubdtype(chunk.dtype, np.signedinteger):
                 outside |= np.logical_or.reduce(columns < 0, axis=0)
             unrouted = None
             if outside.any():
-                np.equal(columns, unrouted_value, out=flag)
+                np.equal(columns, no_route(rows.dtype), out=flag)
                 unrouted = np.logical_and.reduce(flag, axis=0)  # no_route rows: skipped
                 if (outside & ~unrouted).any():
-                    raise RoutingReplayError(f"{where} hold expert indices outside 0..{num_experts - 1} (the "
-                                             "model's experts). Cause: routes from another model, or misread. Fix: "
-                                             "sample with the model being trained, or set routing_replay='old'.")
+                    return True, repeated, example
             twice_here[:] = False
             for distance in range(1, top_k):  # slots i and i + distance, every i at once
                 same = flag[:top_k - distance]
@@ -137,6 +138,21 @@ def check_sampled_routes(sampled: SampledRoutes, num_experts: int, top_k: int, s
             if count and example is None:
                 example = chunk[int(twice_here.argmax())].tolist()
             repeated += count
+        return False, repeated, example
+
+    if workers == 1:
+        results = [check_chunks(chunks)]
+    else:
+        from concurrent.futures import ThreadPoolExecutor
+
+        with ThreadPoolExecutor(workers) as pool:
+            results = list(pool.map(check_chunks, [chunks[w::workers] for w in range(workers)]))
+    if any(outside for outside, _, _ in results):
+        raise RoutingReplayError(f"{where} hold expert indices outside 0..{num_experts - 1} (the model's experts). "
+                                 "Cause: routes from another model, or misread. Fix: sample with the model being "
+                                 "trained, or set routing_replay='old'.")
+    repeated = sum(count for _, count, _ in results)
+    example = next((found for _, _, found in results if found is not None), None)
     if repeated:
         real = sum(int((rows != no_route(rows.dtype)).any(1).sum()) for rows in tensors)  # for the message only
         raise RoutingReplayError(

@@ -7,9 +7,13 @@ decode per choice and a JSON parse of all of it. Here the server's answer keeps 
 
     b"TRLGSPO1" | u64 length | the JSON answer | u64 length | index (JSON) | the route bytes
 
-The index lists one entry per array in choice order: dtype, shape `[rows, layers, top_k]` and `shared`, the number of
-leading rows equal to the previous array's (the server compares each array with the one before; the `n` completions
-of a prompt share its prompt's rows, which are then sent once). An array's bytes are its rows after `shared`.
+vLLM's array for a completion is `[prompt + completion - 1, layers, top_k]` (the last token is never fed forward).
+The frame stores it with one more row, `no_route` (the dtype's maximum, `trl_gspo.routing.rollout.no_route`), so
+that rows `prompt .. prompt + completion` are exactly the completion's routes as R3 keeps them, and the trainer uses
+them in place, without a copy. The index lists one entry per array in choice order: dtype, shape `[rows, layers,
+top_k]` (with that row) and `shared`, the number of leading rows equal to the previous array's (the server compares
+each array with the one before; the `n` completions of a prompt share its prompt's rows, which are then sent once).
+An array's bytes are its rows after `shared`.
 
 Only a request that asks for it gets the frame (header `X-TRL-GSPO-Routes: 1`, which the trainer's client adds);
 every other client, stock TRL's included, gets vLLM's JSON answer unchanged. `trl-gspo vllm-serve` loads
@@ -34,55 +38,78 @@ _LENGTH = struct.Struct("<Q")
 _stored: contextvars.ContextVar[list | None] = contextvars.ContextVar("trl_gspo_routes", default=None)
 
 
-def shared_rows(previous: np.ndarray | None, current: np.ndarray) -> int:
-    """How many leading rows `current` shares with `previous` (0 when their dtype or row shape differ)."""
+def shared_rows(previous: np.ndarray | None, current: np.ndarray, block: int = 256) -> int:
+    """How many leading rows `current` shares with `previous` (0 when their dtype or row shape differ), compared
+    `block` rows at a time so that a difference early on (after a prompt) stops the comparison."""
     if previous is None or previous.dtype != current.dtype or previous.shape[1:] != current.shape[1:]:
         return 0
     rows = min(len(previous), len(current))
-    differs = (previous[:rows].reshape(rows, -1) != current[:rows].reshape(rows, -1)).any(1)
-    return int(differs.argmax()) if differs.any() else rows
+    before, after = previous.reshape(len(previous), -1), current.reshape(len(current), -1)
+    for start in range(0, rows, block):
+        stop = min(start + block, rows)
+        differs = (before[start:stop] != after[start:stop]).any(1)
+        if differs.any():
+            return start + int(differs.argmax())
+    return rows
 
 
-def encode_frame(answer_json: bytes, arrays: list[np.ndarray]) -> list[bytes]:
-    """The frame for a JSON answer and its choices' route arrays (in choice order), as chunks to send in turn."""
-    index, chunks, offset, previous = [], [], 0, None
+def encode_frame(answer_json: bytes, arrays: list[np.ndarray]) -> list:
+    """The frame for a JSON answer and its choices' vLLM route arrays (in choice order), as two chunks to send in
+    turn: the head and the route bytes (written once, into one buffer)."""
+    index, offset, previous = [], 0, None
+    arrays = [np.ascontiguousarray(array) for array in arrays]
     for array in arrays:
-        array = np.ascontiguousarray(array)
         shared = shared_rows(previous, array)
-        own = array[shared:].tobytes()
-        index.append({"dtype": array.dtype.str, "shape": list(array.shape), "shared": shared, "offset": offset})
-        chunks.append(own)
-        offset += len(own)
+        entry = {"dtype": array.dtype.str, "shape": [len(array) + 1, *array.shape[1:]], "shared": shared,
+                 "offset": offset}
+        index.append(entry)
+        offset += _nbytes(entry, len(array) + 1 - shared)
         previous = array
+    routes = bytearray(offset)
+    for array, entry in zip(arrays, index):
+        rows = entry["shape"][0] - entry["shared"]
+        target = np.frombuffer(routes, dtype=array.dtype, count=rows * int(np.prod(array.shape[1:])),
+                               offset=entry["offset"]).reshape(rows, *array.shape[1:])
+        target[:-1] = array[entry["shared"]:]
+        target[-1] = np.iinfo(array.dtype).max  # no_route: the row R3 keeps for the last token
     index_json = json.dumps(index).encode()
     head = MAGIC + _LENGTH.pack(len(answer_json)) + answer_json + _LENGTH.pack(len(index_json)) + index_json
-    return [head, b"".join(chunks)]
+    return [head, routes]
+
+
+def _nbytes(entry: dict, rows: int) -> int:
+    return rows * int(np.prod(entry["shape"][1:])) * np.dtype(entry["dtype"]).itemsize
 
 
 class Frame:
-    """A received frame: `answer` (TRL's JSON answer, each choice's `routed_experts` a `"#<i>"` reference) and the
-    route arrays, read straight from the frame's bytes (`array(i)`: no copy unless rows are shared)."""
+    """Received routes: `index` (one entry per array, module docstring) and the arrays' bytes, read in place (`rows`:
+    a view of the buffer unless the rows span arrays). `answer` is TRL's JSON answer (each choice's
+    `routed_experts` a `"#<i>"` reference) for a frame parsed from a response, None for a part handed to a rank.
+    Give a writable buffer (a bytearray) so the views are writable torch tensors."""
 
-    def __init__(self, content: bytes):
-        view = memoryview(content)
+    def __init__(self, index: list[dict], routes, answer: dict | None = None):
+        self.index, self.answer, self._routes = index, answer, memoryview(routes)
+
+    @classmethod
+    def parse(cls, content) -> Frame:
+        """A whole frame as the server sent it (read-only `bytes` are copied into a bytearray: writable views)."""
+        view = memoryview(content if isinstance(content, bytearray) else bytearray(content))
         if bytes(view[:len(MAGIC)]) != MAGIC:
             raise ValueError("not a trl-gspo route frame (the server answered something else)")
         position = len(MAGIC)
         (length,) = _LENGTH.unpack_from(view, position)
-        self.answer = json.loads(bytes(view[position + 8:position + 8 + length]))
+        answer = json.loads(bytes(view[position + 8:position + 8 + length]))
         position += 8 + length
         (length,) = _LENGTH.unpack_from(view, position)
-        self.index = json.loads(bytes(view[position + 8:position + 8 + length]))
-        self._routes = view[position + 8 + length:]
+        index = json.loads(bytes(view[position + 8:position + 8 + length]))
+        return cls(index, view[position + 8 + length:], answer)
 
     def own_rows(self, i: int) -> np.ndarray:
         """Array `i`'s rows after its shared ones, a view of the frame's bytes."""
         entry = self.index[i]
         rows, *row_shape = entry["shape"]
-        dtype = np.dtype(entry["dtype"])
-        count = (rows - entry["shared"]) * int(np.prod(row_shape)) * dtype.itemsize
-        data = self._routes[entry["offset"]:entry["offset"] + count]
-        return np.frombuffer(data, dtype=dtype).reshape(rows - entry["shared"], *row_shape)
+        data = self._routes[entry["offset"]:entry["offset"] + _nbytes(entry, rows - entry["shared"])]
+        return np.frombuffer(data, dtype=np.dtype(entry["dtype"])).reshape(rows - entry["shared"], *row_shape)
 
     def rows(self, i: int, start: int, stop: int) -> np.ndarray:
         """Rows `start:stop` of array `i`, following shared rows back through the arrays before it."""
@@ -101,7 +128,23 @@ class Frame:
         return np.concatenate(parts[::-1]) if parts else self.own_rows(i)[:0]
 
     def array(self, i: int) -> np.ndarray:
-        return self.rows(i, 0, self.index[i]["shape"][0])
+        """Array `i` as vLLM returned it (without the frame's last `no_route` row)."""
+        return self.rows(i, 0, self.index[i]["shape"][0] - 1)
+
+    def part(self, first: int, last: int) -> tuple[list[dict], np.ndarray]:
+        """Arrays `first..last` as a frame of their own (index, bytes) for the rank that uses them: the first array's
+        shared rows resolved, the others' own bytes as they are (one copy of their share)."""
+        head = self.rows(first, 0, self.index[first]["shape"][0])
+        start = self.index[first + 1]["offset"] if last > first else 0
+        stop = (self.index[last]["offset"] + _nbytes(self.index[last], self.index[last]["shape"][0]
+                                                      - self.index[last]["shared"])) if last > first else 0
+        data = np.empty(head.nbytes + stop - start, dtype=np.uint8)
+        data[:head.nbytes] = head.reshape(-1).view(np.uint8)
+        data[head.nbytes:] = np.frombuffer(self._routes[start:stop], dtype=np.uint8)
+        index = [{**self.index[first], "shared": 0, "offset": 0}]
+        for entry in self.index[first + 1:last + 1]:
+            index.append({**entry, "offset": entry["offset"] - start + head.nbytes})
+        return index, data
 
 
 def reference_index(reference) -> int | None:
@@ -112,10 +155,31 @@ def reference_index(reference) -> int | None:
 
 
 def frame_routes(response) -> Frame | None:
-    """The frame of a `requests` response from `trl-gspo vllm-serve`, or None for a JSON answer."""
-    if not response.headers.get("content-type", "").startswith(CONTENT_TYPE):
+    """The frame of a `requests` response from `trl-gspo vllm-serve`, or None for a JSON answer. A response opened
+    with `stream=True` is read straight into one bytearray of its length (the route bytes are then used in place);
+    one already read is copied once into a bytearray."""
+    headers = response.headers
+    if not headers.get("content-type", "").startswith(CONTENT_TYPE):
         return None
-    return Frame(response.content)
+    raw = getattr(response, "raw", None)
+    if getattr(response, "_content_consumed", True) or raw is None or headers.get("content-encoding") or \
+            "content-length" not in headers:
+        return Frame.parse(response.content)
+    import requests
+
+    buffer = bytearray(int(headers["content-length"]))
+    view, received = memoryview(buffer), 0
+    try:
+        while received < len(buffer):
+            count = raw.readinto(view[received:])
+            if not count:
+                raise EOFError("the connection closed")
+            received += count
+    except Exception as error:  # as requests reports a body cut short, for the trainer's server error
+        raise requests.exceptions.ChunkedEncodingError(
+            f"the route frame ended after {received} of {len(buffer)} bytes ({error})") from error
+    response._content_consumed = True
+    return Frame.parse(buffer)
 
 
 # --- server side: loaded into vLLM's API server by `--middleware trl_gspo.sampling.route_wire.BinaryRoutes` ---

@@ -355,34 +355,92 @@ def _has_routes(value) -> bool:
 
 def routes_from_server(choices: list[dict], index_dtype: torch.dtype = torch.uint8) -> SampledRoutes:
     """`routes_from_vllm` for the choices of vLLM's `/v1/completions` answers (prompt-major, TRL's order), each with
-    `prompt_token_ids`, `token_ids` and `routed_experts` (a `FramedRoute`, an array, or vLLM's base64 text). Each
-    choice's routes are read when its turn comes and taken out of the choice (`routed_experts` set to None), so the
-    text and the decoded routes of the whole answer are never held together."""
+    `prompt_token_ids`, `token_ids` and `routed_experts`: a `FramedRoute` (read in place, `_split_framed`), an array,
+    or vLLM's base64 text. Each choice's routes are taken out of the choice (`routed_experts` set to None) when read,
+    so base64 text and its decoded routes are never held together for the whole answer."""
     import numpy as np
 
     def decoder(choice):
         def decode():
             encoded, choice["routed_experts"] = choice.get("routed_experts"), None
-            if isinstance(encoded, FramedRoute):
-                return encoded.array()
             return encoded if isinstance(encoded, np.ndarray) else decode_server_routes(encoded)
         return decode
 
-    requests = [SimpleNamespace(prompt_token_ids=choice["prompt_token_ids"], outputs=[SimpleNamespace(
-        token_ids=choice["token_ids"],
-        routed_experts=decoder(choice) if _has_routes(choice.get("routed_experts")) else None)]) for choice in choices]
-    return routes_from_vllm(requests, index_dtype, server=True)
+    sampled, previous, pending = SampledRoutes([], [], sampler_logps=[]), None, []
+
+    def flush():  # choices answered in JSON, together (a prompt's routes then kept once, as routes_from_vllm does)
+        if pending:
+            decoded = routes_from_vllm(pending, index_dtype, server=True)
+            sampled.prompt_routes.extend(decoded.prompt_routes)
+            sampled.completion_routes.extend(decoded.completion_routes)
+            pending.clear()
+
+    for choice in choices:
+        routes = choice.get("routed_experts")
+        if isinstance(routes, FramedRoute):
+            flush()
+            prompt, completion, previous = _split_framed(routes, len(choice["prompt_token_ids"]),
+                                                         len(choice["token_ids"]), index_dtype, previous)
+            choice["routed_experts"] = None
+            sampled.prompt_routes.append(prompt)
+            sampled.completion_routes.append(completion)
+        else:
+            pending.append(SimpleNamespace(prompt_token_ids=choice["prompt_token_ids"], outputs=[SimpleNamespace(
+                token_ids=choice["token_ids"], routed_experts=decoder(choice) if _has_routes(routes) else None)]))
+    flush()
+    return sampled
+
+
+def _split_framed(route: FramedRoute, prompt_len: int, completion_len: int, index_dtype: torch.dtype, previous):
+    """A framed choice's (prompt routes, completion routes), views of the frame's bytes where its rows lie in one
+    array (the frame's array ends with the `no_route` row R3 keeps for the last token): a prompt's completions share
+    one prompt tensor. Refuses lengths that do not match, as `routes_from_vllm` does. `previous`: what the last call
+    returned as its third value (the frame, array index, prompt length and prompt tensor of the choice before)."""
+    import numpy as np
+
+    frame, i = route.frame, route.index
+    entry = frame.index[i]
+    rows = entry["shape"][0]
+    if len(entry["shape"]) != 3 or rows != prompt_len + completion_len:
+        raise RuntimeError(
+            f"routing_replay='sampler': vLLM's routed_experts has shape {(rows - 1, *entry['shape'][1:])} for a "
+            f"{prompt_len}-token prompt and {completion_len}-token completion; expected "
+            f"[{prompt_len + completion_len - 1}, layers, top_k]. The routes would not line up with the tokens. Fix: use a vLLM version in "
+            f"{VLLM_RANGE[0]}..{VLLM_RANGE[1]}, or set routing_replay='old'.")
+    if completion_len == 0:
+        raise RuntimeError("routing_replay='sampler': vLLM returned an empty completion; it has no tokens to route. "
+                           "Fix: set min_tokens >= 1 in generation_kwargs.")
+
+    def tensor(array):
+        converted = torch.from_numpy(array)
+        if converted.dtype == index_dtype:
+            return converted
+        real = converted[(converted != no_route(converted.dtype)).any(-1)]
+        if bool((real < 0).any()) or (real.numel() and int(real.max()) >= no_route(index_dtype)):
+            raise RuntimeError(f"routing_replay='sampler': vLLM's expert indices fall outside "
+                               f"0..{no_route(index_dtype) - 1}, which {index_dtype} stores. Fix: report the "
+                               "model; set routing_replay='old'.")
+        return torch.where(converted == no_route(converted.dtype), no_route(index_dtype), converted).to(index_dtype)
+
+    if (previous is not None and previous[0] is frame and previous[1] == i - 1 and previous[2] == prompt_len
+            and entry["shared"] >= prompt_len):
+        prompt = previous[3]  # the same rows as the choice before: one tensor for the prompt's completions
+    else:
+        prompt = tensor(np.asarray(frame.rows(i, 0, prompt_len)))
+    completion = tensor(np.asarray(frame.rows(i, prompt_len, rows)))
+    return prompt, completion, (frame, i, prompt_len, prompt)
 
 
 def hand_out_choices(choices: list[dict], counts: list[int], accelerator) -> list[dict]:
     """Server mode, several processes: give each rank the choices of its slice, collectively. The main process holds
     every rank's choices in rank order, `counts[r]` of them for rank r (TRL's `process_slice`: equal counts; a lockstep
     tool turn, `trl_gspo.tool_turns`: the counts each rank sent). It sends each other rank with a non-empty slice only
-    its choices' token ids (pickled, small) and their routes as one flat uint8 tensor (`dist.send`: no pickle of the
-    routes; from a route frame, each array read once; base64 text from a JSON answer is sent as text and decoded by
-    the rank), one rank at a time, each part dropped once sent."""
-    import numpy as np
+    its choices' token ids (pickled, small) and, from a route frame, its arrays as a frame of their own (one flat
+    uint8 tensor, `dist.send`: the routes are not pickled), read in place by the rank; base64 text from a JSON answer
+    is sent as text and decoded by the rank. One rank at a time, each part dropped once sent."""
     import torch.distributed as dist
+
+    from .route_wire import Frame
 
     device = accelerator.device if dist.get_backend() == "nccl" else torch.device("cpu")
     if not accelerator.is_main_process:
@@ -390,41 +448,51 @@ def hand_out_choices(choices: list[dict], counts: list[int], accelerator) -> lis
             return []
         received = [None]
         dist.recv_object_list(received, src=0)
-        part, layout = received[0]
-        if layout:  # (dtype, shape) per framed choice, in order; their bytes follow as one tensor
-            flat = torch.empty(sum(np.dtype(dtype).itemsize * int(np.prod(shape)) for dtype, shape in layout),
-                               dtype=torch.uint8, device=device)
-            dist.recv(flat, src=0)
-            data, offset = flat.cpu().numpy(), 0
-            arrays = iter(layout)
+        part, index = received[0]
+        if index:  # this slice's arrays, a frame of their own, follow as one tensor
+            buffer = bytearray(sum(entry["nbytes"] for entry in index))
+            flat = torch.frombuffer(buffer, dtype=torch.uint8) if buffer else torch.empty(0, dtype=torch.uint8)
+            if device.type == "cpu":
+                dist.recv(flat, src=0)
+            else:
+                incoming = torch.empty(len(buffer), dtype=torch.uint8, device=device)
+                dist.recv(incoming, src=0)
+                flat.copy_(incoming.cpu())
+            frame = Frame(index, buffer)
             for choice in part:
-                if choice["routed_experts"] is FramedRoute:
-                    dtype, shape = next(arrays)
-                    count = np.dtype(dtype).itemsize * int(np.prod(shape))
-                    choice["routed_experts"] = data[offset:offset + count].view(dtype).reshape(shape)
-                    offset += count
+                if isinstance(choice["routed_experts"], int):
+                    choice["routed_experts"] = FramedRoute(frame, choice["routed_experts"])
         return part
     start = counts[0]
     for rank in range(1, accelerator.num_processes):
         stop = start + counts[rank]
         if stop > start:
-            part, arrays = [], []
+            framed = [choice["routed_experts"] for choice in choices[start:stop]
+                      if isinstance(choice.get("routed_experts"), FramedRoute)]
+            frame, first, index, data = None, 0, [], None
+            if framed:
+                frame, first = framed[0].frame, framed[0].index
+                if any(r.frame is not frame for r in framed) or [r.index for r in framed] != list(
+                        range(first, first + len(framed))):
+                    raise RuntimeError("routing_replay='sampler': the server's routes for one rank came in several "
+                                       "answers or out of order. Fix: report this with your TRL version; set "
+                                       "routing_replay='old'.")
+                index, data = frame.part(first, first + len(framed) - 1)
+                ends = [entry["offset"] for entry in index[1:]] + [len(data)]
+                for entry, end in zip(index, ends):
+                    entry["nbytes"] = end - entry["offset"]
+            part = []
             for choice in choices[start:stop]:
                 routes = choice.get("routed_experts")
                 if isinstance(routes, FramedRoute):
-                    arrays.append(np.ascontiguousarray(routes.array()))
-                    routes = FramedRoute  # the marker: this choice's routes come in the tensor
+                    routes = routes.index - first  # its place in the rank's own frame
                 part.append({"prompt_token_ids": choice.get("prompt_token_ids"), "token_ids": choice.get("token_ids"),
                              "routed_experts": routes})
                 choice["routed_experts"] = None
-            layout = [(array.dtype.str, array.shape) for array in arrays]
-            dist.send_object_list([(part, layout)], dst=rank)
-            if arrays:
-                flat = np.concatenate([array.reshape(-1).view(np.uint8) for array in arrays])
-                del arrays
-                dist.send(torch.from_numpy(flat).to(device), dst=rank)
-                del flat
-            del part
+            dist.send_object_list([(part, index)], dst=rank)
+            if data is not None:
+                dist.send(torch.from_numpy(data).to(device), dst=rank)
+            del part, data
         start = stop
     return choices[:counts[0]]
 
@@ -530,8 +598,9 @@ def capture_server_choices(client):
     def keeping(original):
         def post(url, *args, **kwargs):
             completions = str(url).endswith("/v1/completions")
-            if completions:
+            if completions:  # the frame is then read straight into one buffer (route_wire.frame_routes)
                 kwargs["headers"] = {**(kwargs.get("headers") or {}), HEADER: "1"}
+                kwargs.setdefault("stream", True)
             response = original(url, *args, **kwargs)
             if completions and response.ok:
                 body = read_completions_answer(response, client.base_url)
