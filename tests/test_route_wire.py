@@ -157,3 +157,33 @@ def test_the_trainer_announces_a_json_answer_once(tokenizer, caplog):
         vllm_routes._json_fallback_announced[:] = monkey_state
     said = [r.getMessage() for r in caplog.records if "base64 inside its JSON answer" in r.getMessage()]
     assert len(said) == 1 and "trl-gspo vllm-serve" in said[0]
+
+
+def test_a_streamed_answer_is_read_into_one_writable_buffer():
+    """The trainer opens `/v1/completions` with `stream=True` and reads the frame straight into one buffer of the
+    answer's length (route_wire.receive_buffer), so the routes are used in place as writable arrays."""
+    import io
+    from types import SimpleNamespace
+
+    arrays = _arrays()
+    body = b"".join(route_wire.encode_frame(b'{"choices": []}', arrays))
+    response = SimpleNamespace(headers={"content-type": route_wire.CONTENT_TYPE, "content-length": str(len(body))},
+                               raw=io.BytesIO(body), _content_consumed=False)
+    frame = route_wire.frame_routes(response)
+    assert frame.answer == {"choices": []} and response._content_consumed
+    assert all(np.array_equal(frame.array(i), array) for i, array in enumerate(arrays))
+    assert frame.own_rows(0).flags.writeable
+    json_answer = SimpleNamespace(headers={"content-type": "application/json"})
+    assert route_wire.frame_routes(json_answer) is None
+
+
+def test_a_frame_cut_short_is_a_connection_error():
+    requests = pytest.importorskip("requests")  # TRL's client's transport: the trainer reports its errors
+    import io
+    from types import SimpleNamespace
+
+    body = b"".join(route_wire.encode_frame(b"{}", _arrays()))
+    response = SimpleNamespace(headers={"content-type": route_wire.CONTENT_TYPE, "content-length": str(len(body))},
+                               raw=io.BytesIO(body[:-10]), _content_consumed=False)
+    with pytest.raises(requests.exceptions.ChunkedEncodingError, match="ended after"):
+        route_wire.frame_routes(response)
