@@ -359,6 +359,8 @@ def test_server_mode_r3_replays_the_routes_the_server_returned(vllm_server, tmp_
           f"{min(c['max_natural_diff'] for c in result['checks_per_rank']):.2e}")  # shown by pytest -rP
     assert 0.2 < agreement < 0.95  # the perturbed routers route otherwise, not at random
     assert result["weight_syncs"]  # TRL pushed the weights (stubbed) before the round, as on a GPU
+    # every round's routes came as raw bytes (trl-gspo's route frame), none as base64 in JSON
+    assert set(result["server_forms"]) == {"application/x-trl-gspo-routes"}
 
 
 def test_server_mode_trains_on_the_servers_logps(vllm_server, tmp_path):
@@ -441,7 +443,7 @@ def small_block_server(tmp_path_factory):
     root = tmp_path_factory.mktemp("small_block_server")
     model_dir = _build_model_dir(root / "model")
     started = []
-    with _serving(root, model_dir, max_model_len=256, started=started, extra=("--block-size", "32")) as url:
+    with _serving(root, model_dir, started=started, extra=("--block-size", "32")) as url:
         yield url, model_dir, started[0]
 
 
@@ -454,9 +456,12 @@ def _completions(url, prompt, n):
         "content-type": "application/json", route_wire.HEADER: "1"}, data=json.dumps({
             "model": model, "prompt": [prompt], "n": n, "max_tokens": 4, "temperature": 1.0,
             "return_token_ids": True}).encode())
-    with urllib.request.urlopen(request, timeout=120) as response:
-        assert response.headers["content-type"] == route_wire.CONTENT_TYPE  # the middleware framed it
-        frame = route_wire.Frame.parse(response.read())
+    try:
+        with urllib.request.urlopen(request, timeout=120) as response:
+            assert response.headers["content-type"] == route_wire.CONTENT_TYPE  # the middleware framed it
+            frame = route_wire.Frame.parse(response.read())
+    except urllib.error.HTTPError as error:
+        pytest.fail(f"the server refused the request: {error.read().decode()[:1000]}")
     return frame.answer, frame
 
 
@@ -473,7 +478,7 @@ def test_prompt_routes_from_the_prefix_cache_are_the_computed_ones_and_travel_on
     computed ones, row for row. In the route frame, the n = 3 completions of a prompt carry its rows once: every
     choice after the first shares at least the prompt's rows with the one before."""
     url, _, _ = small_block_server
-    prompt = [3 + (7 * i) % 90 for i in range(100)]
+    prompt = [3 + (7 * i) % 40 for i in range(100)]  # ids within the tiny tokenizer's 50
     first, first_frame = _completions(url, prompt, n=3)
     hits = _prefix_cache_hits(url)
     second, second_frame = _completions(url, prompt, n=1)
@@ -487,7 +492,7 @@ def test_prompt_routes_from_the_prefix_cache_are_the_computed_ones_and_travel_on
 
 
 def test_a_server_frozen_mid_run_stops_training_and_the_run_resumes_once_it_thaws(small_block_server, tmp_path):
-    """A hung server (SIGSTOP to its process group once a round's request is out: it neither answers nor dies, and
+    """A hung server (SIGSTOP to its process group as a round's request goes out: it neither answers nor dies, and
     TRL's client alone would wait forever): with vllm_server_stall_timeout 20 s the trainer stops with one error that
     names the server, that it made no progress, the newest complete checkpoint and the resume; thawed (SIGCONT), the
     same server serves the resumed run to the end. The slow-but-progressing case: tests/test_server_watch.py."""

@@ -32,7 +32,6 @@ import shutil
 import signal
 import sys
 import tempfile
-import threading
 from pathlib import Path
 
 import torch
@@ -157,14 +156,43 @@ def lay_out(request_outputs, prompt_ids, prompt_mask, completion_ids, completion
     return rows
 
 
-def keep_server_outputs(trainer, outputs):
-    """Server mode: the choices of each /v1/completions answer, decoded by hand (base64 `.npy`), as RequestOutput-like
-    objects for `lay_out`; the main process receives them and every rank gets a copy after TRL's generate call."""
+def decode_server_answer(body: bytes, content_type: str):
+    """[(choice, routes)] of a /v1/completions answer, decoded by hand, independently of trl_gspo: vLLM's JSON with
+    base64 `.npy` routes, or trl-gspo's route frame (b"TRLGSPO1", u64 length, JSON, u64 length, index, then each
+    array's rows after the ones it shares with the array before, ending with a no_route row)."""
     import base64
     import io
-    from types import SimpleNamespace
 
     import numpy as np
+
+    if not content_type.startswith("application/x-trl-gspo-routes"):
+        answer = json.loads(body)
+        return [(choice, np.load(io.BytesIO(base64.b64decode(choice["routed_experts"]))))
+                for choice in answer["choices"]]
+    assert body[:8] == b"TRLGSPO1"
+    length = int.from_bytes(body[8:16], "little")
+    answer, position = json.loads(body[16:16 + length]), 16 + length
+    length = int.from_bytes(body[position:position + 8], "little")
+    index, data = json.loads(body[position + 8:position + 8 + length]), body[position + 8 + length:]
+    arrays = []
+    for entry in index:
+        rows, *row_shape = entry["shape"]
+        own = np.frombuffer(data, dtype=entry["dtype"], count=(rows - entry["shared"]) * int(np.prod(row_shape)),
+                            offset=entry["offset"]).reshape(rows - entry["shared"], *row_shape)
+        arrays.append(np.concatenate([arrays[-1][:entry["shared"]], own]) if entry["shared"] else own)
+        assert (arrays[-1][-1] == np.iinfo(arrays[-1].dtype).max).all()  # the frame's no_route row
+    return [(choice, arrays[int(choice["routed_experts"][1:])][:-1]) for choice in answer["choices"]]
+
+
+SERVER_FORMS = {}  # content type -> answers received (server mode)
+
+
+def keep_server_outputs(trainer, outputs):
+    """Server mode: the choices of each /v1/completions answer, decoded by hand (`decode_server_answer`), as
+    RequestOutput-like objects for `lay_out`; the main process receives them and every rank gets a copy after TRL's
+    generate call. `server_forms` counts the answers by content type (trl-gspo's route frame or vLLM's JSON)."""
+    from types import SimpleNamespace
+
     from accelerate.utils import broadcast_object_list
 
     generation, received = trainer.vllm_generation, []
@@ -175,8 +203,9 @@ def keep_server_outputs(trainer, outputs):
         def keeping(url, *a, **k):
             response = post(url, *a, **k)
             if url.endswith("/v1/completions"):
-                for choice in response.json()["choices"]:
-                    routes = np.load(io.BytesIO(base64.b64decode(choice["routed_experts"])))
+                content_type = response.headers.get("content-type", "")
+                SERVER_FORMS[content_type.split(";")[0]] = SERVER_FORMS.get(content_type.split(";")[0], 0) + 1
+                for choice, routes in decode_server_answer(response.content, content_type):  # read, kept for TRL
                     received.append(SimpleNamespace(prompt_token_ids=choice["prompt_token_ids"], outputs=[
                         SimpleNamespace(token_ids=choice["token_ids"], routed_experts=routes)]))
             return response
@@ -332,12 +361,12 @@ def main():
             if kill_server_at_round is not None and len(memory) == kill_server_at_round:
                 os.killpg(int(os.environ["TRL_GSPO_TEST_SERVER_PGID"]), 9)  # the server dies between two rounds
             if freeze_server_at_round is not None and len(memory) == freeze_server_at_round:
-                server_group = int(os.environ["TRL_GSPO_TEST_SERVER_PGID"])  # frozen once its round's request is out
+                server_group = int(os.environ["TRL_GSPO_TEST_SERVER_PGID"])  # frozen as its round's request goes out
                 original_post = trainer.vllm_generation.vllm_client.session.post
 
                 def post_then_freeze(url, *args, **kwargs):
                     if str(url).endswith("/v1/completions"):
-                        threading.Timer(0.2, os.killpg, (server_group, signal.SIGSTOP)).start()
+                        os.killpg(server_group, signal.SIGSTOP)
                     return original_post(url, *args, **kwargs)
 
                 trainer.vllm_generation.vllm_client.session.post = post_then_freeze
@@ -364,6 +393,7 @@ def main():
         print("RESULT " + json.dumps({"log_history": trainer.state.log_history, "checks": checks,
                                       "checks_per_rank": checks_per_rank, "weight_syncs": weight_syncs,
                                       "checksum": checksum, "warnings": warnings.messages,
+                                      "server_forms": SERVER_FORMS,
                                       "skipped_passes": getattr(trainer._sampler_logps, "skipped_passes", None),
                                       "memory": memory,
                                       "world_size": trainer.accelerator.num_processes}), flush=True)
