@@ -56,7 +56,7 @@ NON_LOSS_FIELDS = (
 )
 # Fields `GSPOConfig` adds to `GRPOConfig`.
 GSPO_CONFIG_FIELDS = ("routing_replay", "routing_replay_offload", "routing_replay_min_agreement", "vllm_dtype",
-                      "old_logps")
+                      "vllm_server_stall_timeout", "old_logps")
 VLLM_DTYPES = ("auto", "float32", "bfloat16", "float16")
 DEFAULT_MIN_ROUTE_AGREEMENT = 0.75  # routing_replay_min_agreement's default (a plain GRPOConfig has no such field)
 DEFAULT_SERVER_STALL_TIMEOUT = 300.0  # vllm_server_stall_timeout's default, likewise
