@@ -164,7 +164,7 @@ def check_sampler_round(values: dict, reference: float | None, min_agreement: fl
         logger.warning(
             f"SAMPLER GAP: the sampler's log-probs are {gap:.4f} nats (mean |log ratio|) from the trainer's on the "
             f"same weights {when}; a precision gap explains at most ~{SAMPLER_GAP_FLOOR} (a {sampler_dtype} sampler "
-            f"against a {trainer_dtype} trainer here; bf16 vs float32 measured 0.001-0.03, docs/sampling.md). The "
+            f"against a {trainer_dtype} trainer here; bf16 vs float32 measured 0.001-0.01, docs/sampling.md). The "
             "sampler computes with other weights than the trainer: likely a server serving another checkpoint or "
             "revision, a weight load or sync that did not reach the engine's kernels, a quantized or mis-configured "
             "engine (dtype, rope scaling, chat template tokens), or other sampling parameters than the trainer's "
