@@ -23,6 +23,8 @@ __all__ = [
     "sequence_log_ratio",
     "gspo_loss",
     "gspo_token_loss",
+    "unpack_segments",
+    "gspo_packed_loss",
     "k3_kl",
     "masked_sequence_mean",
     "masked_token_mean",
@@ -314,6 +316,63 @@ def gspo_token_loss(
         high_clipped=high & valid,
         delta_clipped=capped & valid,
     )
+
+
+def unpack_segments(segment_id: torch.Tensor, *values: torch.Tensor, num_segments: int | None = None):
+    """Packed rows to one row per completion: ``segment_id`` ``(M,)`` names the completion (0..S-1) each of ``M``
+    packed targets belongs to (TRL's asynchronous trainer packs several completions into a row this way); each
+    ``values`` tensor ``(M,)`` comes back as ``(S, T)``, ``T`` the longest completion, the targets of a completion in
+    their packed order, followed by the ``(S, T)`` mask of real targets. Differentiable (an index copy), so a loss on
+    the padded form has the packed form's gradient. ``num_segments`` (default ``max(segment_id) + 1``) keeps
+    completions with no target as empty rows."""
+    if segment_id.dim() != 1 or any(v.shape != segment_id.shape for v in values):
+        raise ValueError(f"`segment_id` and the packed values must be (M,) alike, got {tuple(segment_id.shape)} and "
+                         f"{[tuple(v.shape) for v in values]}.")
+    if segment_id.numel() and int(segment_id.min()) < 0:
+        raise ValueError("`segment_id` holds a negative id: strip padding targets (TRL pads with -1) first.")
+    segments = num_segments if num_segments is not None else (int(segment_id.max()) + 1 if segment_id.numel() else 0)
+    counts = torch.bincount(segment_id, minlength=segments)
+    if counts.numel() > segments:
+        raise ValueError(f"`segment_id` names segment {int(segment_id.max())} but num_segments is {segments}.")
+    order = torch.argsort(segment_id, stable=True)  # each completion's targets together, in packed order
+    starts = torch.cumsum(counts, 0) - counts
+    positions = torch.arange(segment_id.numel(), device=segment_id.device) - starts[segment_id[order]]
+    width = int(counts.max()) if counts.numel() else 0
+    rows, columns = segment_id[order], positions
+    padded = []
+    for value in values:
+        out = value.new_zeros((segments, width))
+        padded.append(out.index_put((rows, columns), value[order]))
+    mask = torch.zeros((segments, width), dtype=torch.bool, device=segment_id.device)
+    mask[rows, columns] = True
+    return (*padded, mask)
+
+
+def gspo_packed_loss(
+    logps: torch.Tensor,
+    old_logps: torch.Tensor,
+    advantages: torch.Tensor,
+    segment_id: torch.Tensor,
+    token_level: bool = False,
+    num_segments: int | None = None,
+    **clip,
+) -> PolicyLossOutput:
+    """:func:`gspo_loss` (Eq. 5, 7) or, with ``token_level``, :func:`gspo_token_loss` (Eq. 13, 14) on packed rows:
+    ``logps``, ``old_logps`` and ``advantages`` ``(M,)`` per packed target, ``segment_id`` ``(M,)`` the completion of
+    each (:func:`unpack_segments`). ``s_i`` is the mean log ratio over completion ``i``'s targets only, ``|y_i|`` its
+    target count (mask tool tokens out of the packed targets beforehand). For ``gspo`` every target of a completion
+    must carry the completion's advantage (TRL's asynchronous trainer repeats it per token); per-token advantages need
+    ``token_level``. Returns the padded form, one row per completion; ``clip``: ``eps_low``, ``eps_high``, ``delta``,
+    ``check_inputs`` as for the unpacked losses."""
+    logps_rows, old_rows, advantage_rows, mask = unpack_segments(segment_id, logps, old_logps, advantages,
+                                                                 num_segments=num_segments)
+    if token_level:
+        return gspo_token_loss(logps_rows, old_rows, advantage_rows, mask, **clip)
+    first = advantage_rows[:, :1]
+    if bool(((advantage_rows - first).abs() * mask).amax() > 0) if mask.any() else False:
+        raise ValueError("`advantages` differ within a completion: gspo takes one advantage per sequence. Fix: use "
+                         "token_level=True (gspo_token) for per-token advantages.")
+    return gspo_loss(logps_rows, old_rows, first[:, 0], mask, **clip)
 
 
 def applied_entropy_coef(coef: float, last_entropy: float, target: float, adaptive: bool) -> float:
