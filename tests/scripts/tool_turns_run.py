@@ -157,10 +157,21 @@ def keep_engine_calls(trainer, engine, calls):
     def keeping_post(url, *a, **k):
         response = post(url, *a, **k)
         if str(url).endswith("/v1/completions") and response.ok:
-            calls.extend((list(c["prompt_token_ids"]), list(c["token_ids"])) for c in response.json()["choices"])
+            calls.extend((list(c["prompt_token_ids"]), list(c["token_ids"])) for c in answer_choices(response))
         return response
 
     client.session.post = keeping_post
+
+
+def answer_choices(response):
+    """The choices of a /v1/completions answer, read by hand: vLLM's JSON, or trl-gspo's route frame (b"TRLGSPO1",
+    u64 length, the JSON answer, then the routes, which this script does not need). Reads `response.content`, which
+    the trainer's capture then reads again."""
+    body = response.content
+    if response.headers.get("content-type", "").startswith("application/x-trl-gspo-routes"):
+        length = int.from_bytes(body[8:16], "little")
+        return json.loads(body[16:16 + length])["choices"]
+    return json.loads(body)["choices"]
 
 
 def report_foreign_completions(trainer):
