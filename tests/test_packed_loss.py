@@ -52,36 +52,44 @@ def _packed(seed, lengths=(5, 1, 7, 3), spread=2e-4):
     return logps, old_logps, sequence_advantage[segment_id], segment_id
 
 
+def _value_and_grad(objective_of, logps):
+    """(objective, d objective / d logps) of `objective_of(logps)` at a fresh leaf copy of `logps`."""
+    leaf = logps.clone().requires_grad_()
+    objective = objective_of(leaf)
+    objective.backward()
+    return objective.detach(), leaf.grad
+
+
 @pytest.mark.parametrize("seed", [0, 1, 2])
 def test_gspo_on_packed_rows_matches_the_float64_reference(seed):
     logps, old_logps, advantages, segment_id = _packed(seed)
-    mine = logps.clone().requires_grad_()
-    loss = gspo_packed_loss(mine, old_logps, advantages, segment_id, eps_low=EPS_LOW, eps_high=EPS_HIGH)
-    objective = loss.per_sequence_loss.mean()
-    objective.backward()
-    theirs = logps.clone().requires_grad_()
-    expected = reference_gspo(theirs, old_logps, advantages, segment_id)
-    expected.backward()
+    losses = []
+
+    def packed(leaf):
+        losses.append(gspo_packed_loss(leaf, old_logps, advantages, segment_id, eps_low=EPS_LOW, eps_high=EPS_HIGH))
+        return losses[-1].per_sequence_loss.mean()
+
+    objective, grad = _value_and_grad(packed, logps)
+    expected, expected_grad = _value_and_grad(lambda leaf: reference_gspo(leaf, old_logps, advantages, segment_id),
+                                              logps)
     assert torch.allclose(objective, expected, rtol=0, atol=1e-12)
-    assert torch.allclose(mine.grad, theirs.grad, rtol=0, atol=1e-12)
-    ratios = loss.ratio
+    assert torch.allclose(grad, expected_grad, rtol=0, atol=1e-12)
+    ratios = losses[0].ratio
     assert ((ratios < 1 - EPS_LOW) | (ratios > 1 + EPS_HIGH)).any() and (ratios.sub(1).abs() < EPS_LOW).any()
-    assert (mine.grad != 0).any() and (mine.grad == 0).any()  # clipped completions carry no gradient
+    assert (grad != 0).any() and (grad == 0).any()  # clipped completions carry no gradient
 
 
 @pytest.mark.parametrize("seed", [0, 1])
 def test_gspo_token_on_packed_rows_matches_the_reference_with_per_token_advantages(seed):
     logps, old_logps, advantages, segment_id = _packed(seed)
     advantages = advantages * (1 + torch.linspace(-0.5, 0.5, len(advantages), dtype=torch.float64))
-    mine = logps.clone().requires_grad_()
-    objective = gspo_packed_loss(mine, old_logps, advantages, segment_id, token_level=True, eps_low=EPS_LOW,
-                                 eps_high=EPS_HIGH).per_sequence_loss.mean()
-    objective.backward()
-    theirs = logps.clone().requires_grad_()
-    expected = reference_gspo_token(theirs, old_logps, advantages, segment_id)
-    expected.backward()
+    objective, grad = _value_and_grad(lambda leaf: gspo_packed_loss(
+        leaf, old_logps, advantages, segment_id, token_level=True, eps_low=EPS_LOW, eps_high=EPS_HIGH
+    ).per_sequence_loss.mean(), logps)
+    expected, expected_grad = _value_and_grad(
+        lambda leaf: reference_gspo_token(leaf, old_logps, advantages, segment_id), logps)
     assert torch.allclose(objective, expected, rtol=0, atol=1e-12)
-    assert torch.allclose(mine.grad, theirs.grad, rtol=0, atol=1e-12)
+    assert torch.allclose(grad, expected_grad, rtol=0, atol=1e-12)
 
 
 def test_gspo_token_with_sequence_advantages_equals_gspo_on_packed_rows():
