@@ -281,3 +281,40 @@ def test_config_presets_and_refusals(tmp_path):
     for options, option in refusals:
         with pytest.raises(ValueError, match=f"`{option}`.*Fix"):
             AsyncGSPOConfig(output_dir=str(tmp_path), use_cpu=True, **options)
+
+
+ASYNC_RECIPE = """trainer: async
+model_name_or_path: {model}
+dataset_name: {dataset}
+reward_funcs: [think_format_reward]
+vllm_server_base_url: {url}
+output_dir: {out}
+"""
+
+
+@pytest.mark.parametrize("change,option", [
+    (dict(), None),
+    (dict(url="gen:8000"), "vllm_server_base_url"),
+    (dict(model="builtin:tiny-qwen3-moe"), "trainer: async"),
+    (dict(extra="failed_tool_credit: -0.5\n"), "failed_tool_credit"),
+    (dict(extra="trainer: later\n"), "trainer"),
+    (dict(extra="steps_per_generation: 4\n"), "steps_per_generation"),  # a GSPOConfig key, not AsyncGSPOConfig's
+])
+def test_async_recipes_resolve_into_async_gspo_config_or_are_refused(tmp_path, capsys, monkeypatch, change, option):
+    from trl_gspo.launch.cli import main
+
+    monkeypatch.setattr("trl_gspo.launch.checks._probe_dataset", lambda key, path, config: None)
+    fields = dict(model="Qwen/Qwen3-0.6B", dataset="trl-lib/DeepMath-103K", url="http://gen:8000",
+                  out=tmp_path / "o", extra="")
+    fields.update(change)
+    text = ASYNC_RECIPE.format(**fields) + fields["extra"]
+    if "trainer: later" in text:
+        text = text.replace("trainer: async\n", "")
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text(text)
+    code = main(["--config", str(recipe), "--dry_run", "true"])
+    out, err = capsys.readouterr()
+    if option is None:
+        assert code == 0 and "AsyncGSPOTrainer" in out and "max_staleness=4" in out and "recipe is valid" in out
+    else:
+        assert code == 2 and f"`{option}" in err and ("Fix" in err or "unknown key" in err), err
