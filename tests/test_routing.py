@@ -278,6 +278,19 @@ def test_checkpointing_gives_the_same_gradients_under_replay():
         torch.testing.assert_close(checkpointed_grads[name], grads[name], rtol=1e-6, atol=1e-8, msg=name)
 
 
+def test_a_first_replay_under_checkpointing_recomputes_what_it_saved():
+    """A RoutingReplay whose first use is `replay()` (no `record()` before: routes from a sampler, as in the
+    asynchronous trainer) checks the router's gate formula in that first forward; done with autograd on, the check
+    made a checkpointed layer save more tensors than its recomputation (CheckpointError in backward, found there)."""
+    model, ids, mask, _, rec = _recorded_then_perturbed()
+    model.train()
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    fresh = RoutingReplay(model)
+    with fresh.replay(rec.indices):
+        model(input_ids=ids, attention_mask=mask, labels=ids).loss.backward()
+    assert all(p.grad is not None for p in model.parameters() if p.requires_grad)
+
+
 def test_closing_replay_before_backward_is_caught_under_checkpointing():
     model, ids, mask, rr, rec = _recorded_then_perturbed()
     model.train()

@@ -210,7 +210,10 @@ class RoutingReplay:
             family = KNOWN_ROUTERS.get(cls.__name__)
             known = family.formula if family is not None else None
             candidates = (known,) if known is not None else CANDIDATES
-            match = next((f for f in candidates if reproduces(f, router, logits, weights, indices)), None)
+            # Without autograd: the check runs on the first forward only, and ops it recorded there would make a
+            # checkpointed layer save more tensors in that forward than in its recomputation (CheckpointError).
+            with torch.no_grad():
+                match = next((f for f in candidates if reproduces(f, router, logits, weights, indices)), None)
             if match is None:
                 raise RoutingReplayError(
                     f"{cls.__name__}: "
