@@ -8,6 +8,8 @@ from importlib import import_module
 __version__ = "0.1.0"
 
 _LAZY = {
+    "AsyncGSPOConfig": "trl_gspo.async_trainer",
+    "AsyncGSPOTrainer": "trl_gspo.async_trainer",
     "GSPOConfig": "trl_gspo.config",
     "GSPOTrainer": "trl_gspo.trainer",
     "gspo_loss": "trl_gspo.losses",

@@ -115,10 +115,29 @@ def check_recipe(script_args, training_args, model_args, dataset_args, launch_ar
         raise RecipeError("`sft_steps` needs a `builtin:` dataset (it trains on the task's reference answers). "
                           "Fix: set sft_steps: 0, or cold-start your model with `trl sft` first.")
     _check_builtin_pair(script_args, model_args)
-    _check_tools(script_args, args, model_args)
+    if script_args.trainer == "async":
+        _check_async(script_args, args, model_args)
+    else:
+        _check_tools(script_args, args, model_args)
     size = _dataset_size(script_args, dataset_args, probe_dataset)
-    if size is not None and launch_args is not None:
+    # The asynchronous trainer's rollout worker cycles the prompts as long as training runs: any size serves.
+    if size is not None and launch_args is not None and script_args.trainer != "async":
         check_dataset_size(size, args, script_args, launched_processes(launch_args))
+
+
+def _check_async(script_args, training_args, model_args) -> None:
+    """`trainer: async`: what AsyncGSPOTrainer takes differently from GSPOTrainer."""
+    if script_args.failed_tool_credit is not None:
+        raise RecipeError("`failed_tool_credit` trains with ToolCreditGSPOTrainer, a synchronous trainer. Fix: remove "
+                          "it, or use trainer: sync.")
+    if model_args.model_name_or_path.startswith(BUILTIN_PREFIX) or (script_args.dataset_name or "").startswith(
+            BUILTIN_PREFIX):
+        raise RecipeError("`trainer: async` samples with a vLLM server started on the model beforehand; the built-in "
+                          "tiny models and tasks are built inside the run. Fix: a hub id or a saved model directory "
+                          "and a dataset, or trainer: sync for the built-in quickstart.")
+    if not training_args.vllm_server_base_url.startswith(("http://", "https://")):
+        raise RecipeError(f"`vllm_server_base_url`: {training_args.vllm_server_base_url!r} is not an http(s) URL. "
+                          "Fix: the server's address, e.g. http://10.0.0.5:8000 (`trl-gspo vllm-serve` on its GPUs).")
 
 
 def check_dataset_size(size: int, training_args, script_args, processes: int = 1, launched: bool = False) -> None:

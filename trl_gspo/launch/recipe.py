@@ -5,10 +5,13 @@ Used by the command (`trl_gspo.launch.cli`), by the launched entry point (`trl_g
 `GSPOScriptArguments`, `GSPOConfig`, `trl.ModelConfig` and `trl.DatasetMixtureConfig` (exactly `trl grpo`'s keys plus
 GSPO's), an `env:` mapping exported before training, and `accelerate launch` options (`accelerate_config: zero3`,
 `num_processes: 8`, ...). Anything else is an error. What the keys must satisfy together lives in `checks.py`.
+A recipe with `trainer: async` trains with `AsyncGSPOTrainer`: its keys are `AsyncGSPOConfig`'s (TRL's
+`AsyncGRPOConfig` plus GSPO's loss types) instead of `GSPOConfig`'s.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from dataclasses import dataclass, field
 
@@ -16,6 +19,8 @@ from trl import DatasetMixtureConfig, ModelConfig, TrlParser
 from trl.scripts.grpo import GRPOScriptArguments
 
 from ..config import GSPOConfig
+
+TRAINERS = ("sync", "async")  # `trainer:` GSPOTrainer (TRL's GRPOTrainer) or AsyncGSPOTrainer (TRL's AsyncGRPOTrainer)
 
 BUILTIN_PREFIX = "builtin:"
 BUILTIN_MODELS = ("tiny-qwen3-moe", "tiny-qwen3", "tiny-qwen3-moe-tools")
@@ -46,6 +51,15 @@ class GSPOScriptArguments(GRPOScriptArguments):
     `tool_answer_reward`; `failed_tool_credit` trains it with per-turn credit (`ToolCreditGSPOTrainer`).
     """
 
+    trainer: str = field(
+        default="sync",
+        metadata={
+            "help": "'sync': GSPOTrainer (TRL's GRPOTrainer: generation and training take turns). 'async': "
+            "AsyncGSPOTrainer (TRL's asynchronous trainer: a vLLM server at `vllm_server_base_url` samples while the "
+            "trainer trains, on samples up to `max_staleness` weight versions old); its keys are AsyncGSPOConfig's.",
+            "choices": list(TRAINERS),
+        },
+    )
     sft_steps: int = field(
         default=0,
         metadata={
@@ -96,9 +110,9 @@ class GSPOScriptArguments(GRPOScriptArguments):
     )
 
 
-class _BeforeLaunchGSPOConfig(GSPOConfig):
-    """`GSPOConfig` as the `trl-gspo` process builds it before launching: `ddp_backend` names the process group of
-    the launched processes, and TrainingArguments with it set in a process that is not one of them fails inside
+class _BeforeLaunch:
+    """A config as the `trl-gspo` process builds it before launching: `ddp_backend` names the process group of the
+    launched processes, and TrainingArguments with it set in a process that is not one of them fails inside
     accelerate ("Default process group has not been initialized"). So the device is set up without it and the
     value is kept for the launch (`check_launch` refuses it where the launch starts one process)."""
 
@@ -108,9 +122,37 @@ class _BeforeLaunchGSPOConfig(GSPOConfig):
         self.ddp_backend = backend
 
 
-def make_parser(prog: str = "trl-gspo", before_launch: bool = False) -> TrlParser:
-    config_class = _BeforeLaunchGSPOConfig if before_launch else GSPOConfig
-    parser = TrlParser((GSPOScriptArguments, config_class, ModelConfig, DatasetMixtureConfig), prog=prog)
+class _BeforeLaunchGSPOConfig(_BeforeLaunch, GSPOConfig):
+    pass
+
+
+def config_class(asynchronous: bool, before_launch: bool = False) -> type:
+    """The training config a recipe's keys fill: `GSPOConfig`, or `AsyncGSPOConfig` for `trainer: async`."""
+    if not asynchronous:
+        return _BeforeLaunchGSPOConfig if before_launch else GSPOConfig
+    from ..async_trainer import AsyncGSPOConfig
+
+    return type("_BeforeLaunchAsyncGSPOConfig", (_BeforeLaunch, AsyncGSPOConfig), {}) if before_launch \
+        else AsyncGSPOConfig
+
+
+def _async_model_config() -> type:
+    """`trl.ModelConfig` without `dtype` and `trust_remote_code`, which `AsyncGRPOConfig` has too (TRL's
+    asynchronous trainer loads the model itself): one key each, read from the training config."""
+    import typing
+
+    hints = typing.get_type_hints(ModelConfig)
+    fields = [(f.name, hints[f.name], field(default=f.default, default_factory=f.default_factory, metadata=f.metadata))
+              for f in dataclasses.fields(ModelConfig) if f.name not in ("dtype", "trust_remote_code")]
+    config = dataclasses.make_dataclass("AsyncModelConfig", fields)
+    config.__post_init__ = ModelConfig.__post_init__
+    return config
+
+
+def make_parser(prog: str = "trl-gspo", before_launch: bool = False, asynchronous: bool = False) -> TrlParser:
+    config = config_class(asynchronous, before_launch)
+    model_config = _async_model_config() if asynchronous else ModelConfig
+    parser = TrlParser((GSPOScriptArguments, config, model_config, DatasetMixtureConfig), prog=prog)
 
     def error(message: str):  # one line naming the key, instead of argparse's 200-line usage and exit
         raise RecipeError(f"{message}. Fix: give the key a value of its type (`trl-gspo --help` lists them); write "
@@ -165,8 +207,20 @@ def parse_recipe(argv: list[str], before_launch: bool = False):
         if not os.path.isfile(path):
             raise RecipeError(f"recipe file {path!r} does not exist. Fix: pass the path of a YAML recipe, "
                               "e.g. `--config recipes/quickstart.yaml`.")
-        recipe_keys = list(_check_recipe_file(path))
-    parser = make_parser(before_launch=before_launch)
+        recipe = _check_recipe_file(path)
+        recipe_keys = list(recipe)
+    else:
+        recipe = {}
+    trainer = recipe.get("trainer", "sync")
+    for i, token in enumerate(argv):  # the command line overrides the recipe
+        if token == "--trainer" and i + 1 < len(argv):
+            trainer = argv[i + 1]
+        elif token.startswith("--trainer="):
+            trainer = token.split("=", 1)[1]
+    if trainer not in TRAINERS:
+        raise RecipeError(f"`trainer`: {trainer!r} is not one of {list(TRAINERS)}. Fix: 'sync' (GSPOTrainer) or "
+                          "'async' (AsyncGSPOTrainer, TRL's asynchronous trainer).")
+    parser = make_parser(before_launch=before_launch, asynchronous=trainer == "async")
     *dataclasses, config_remaining, cli_remaining = parser.parse_args_and_config(
         argv, return_remaining_strings=True, separate_remaining_strings=True
     )
@@ -243,16 +297,27 @@ def _relative_to_recipe(tokens: list[str], recipe_dir: str) -> list[str]:
 def describe(script_args, training_args, model_args, dataset_args, launch_args) -> str:
     """A short, human-readable summary of the resolved run."""
     args = training_args
+    if script_args.trainer == "async":
+        loss = (f"loss_type:      {args.loss_type}  (epsilon={args.epsilon}, epsilon_high={args.epsilon_high}, "
+                f"delta={args.delta}; AsyncGSPOTrainer)")
+        batch = (f"batch:          per_device_train_batch_size={args.per_device_train_batch_size}, "
+                 f"gradient_accumulation_steps={args.gradient_accumulation_steps}, "
+                 f"num_generations={args.num_generations}, token_budget={args.token_budget}")
+        batch += (f"\nasync:          vllm_server_base_url={args.vllm_server_base_url}, "
+                  f"max_staleness={args.max_staleness}, weight_sync_steps={args.weight_sync_steps}")
+    else:
+        loss = (f"loss_type:      {args.loss_type}  (epsilon={args.epsilon}, epsilon_high={args.epsilon_high}, "
+                f"beta={args.beta}, importance_sampling_level={args.importance_sampling_level})")
+        batch = (f"batch:          per_device_train_batch_size={args.per_device_train_batch_size}, "
+                 f"gradient_accumulation_steps={args.gradient_accumulation_steps}, "
+                 f"steps_per_generation={args.steps_per_generation}, num_generations={args.num_generations}, "
+                 f"num_iterations={args.num_iterations}")
     lines = [
         f"model:          {model_args.model_name_or_path}",
         f"dataset:        {script_args.dataset_name or [d.path for d in (dataset_args.datasets or [])]}",
         f"reward_funcs:   {script_args.reward_funcs}",
-        f"loss_type:      {args.loss_type}  (epsilon={args.epsilon}, epsilon_high={args.epsilon_high}, "
-        f"beta={args.beta}, importance_sampling_level={args.importance_sampling_level})",
-        f"batch:          per_device_train_batch_size={args.per_device_train_batch_size}, "
-        f"gradient_accumulation_steps={args.gradient_accumulation_steps}, "
-        f"steps_per_generation={args.steps_per_generation}, num_generations={args.num_generations}, "
-        f"num_iterations={args.num_iterations}",
+        loss,
+        batch,
         f"peft:           {'LoRA r=%s targets=%s' % (model_args.lora_r, model_args.lora_target_modules) if model_args.use_peft else 'off'}",
         f"output_dir:     {args.output_dir}",
         f"accelerate:     {' '.join(launch_args) or '(defaults)'}",

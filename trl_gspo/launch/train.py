@@ -147,13 +147,15 @@ def run(script_args, training_args, model_args, dataset_args) -> "GSPOTrainer": 
             raise RecipeError(f"`{key}`: the dataset has no split {split!r} (it has {sorted(dataset)}). Fix: set "
                               f"{key} to one of them{' or eval_strategy: no' if key == 'dataset_test_split' else ''}.")
     train_dataset = dataset[script_args.dataset_train_split]
-    if hasattr(train_dataset, "__len__"):  # exact here: generation_batch_size counts every launched process
+    if hasattr(train_dataset, "__len__") and script_args.trainer != "async":  # exact: counts every launched process
         from accelerate import PartialState
 
         check_dataset_size(len(train_dataset), training_args, script_args, PartialState().num_processes, launched=True)
     check_conversational(script_args, train_dataset)
 
     model = model_args.model_name_or_path
+    if script_args.trainer == "async":
+        return _run_async(model, rewards, training_args, model_args, train_dataset, tools)
     if model.startswith(BUILTIN_PREFIX):
         model = _prepare_builtin_model(script_args, training_args, model_args)
     model_init_kwargs = dict(revision=model_args.model_revision, trust_remote_code=training_args.trust_remote_code,
@@ -193,6 +195,25 @@ def run(script_args, training_args, model_args, dataset_args) -> "GSPOTrainer": 
         # finalizing by then, torch aborts the process (SIGABRT) after a successful run. Yielding the GIL briefly
         # lets it finish: 0 aborts in 80 two-process launches, against about 1 in 25 without.
         time.sleep(0.1)
+    return trainer
+
+
+def _run_async(model: str, rewards, training_args, model_args, train_dataset, tools: dict):
+    """`trainer: async`: AsyncGSPOTrainer against the vLLM server at `vllm_server_base_url`. TRL's asynchronous
+    trainer loads the model itself (as `model_init_kwargs` say, with its tree attention) and reads checkpoints'
+    `rollout_state.json` on resume."""
+    from trl import get_peft_config
+
+    from ..async_trainer import AsyncGSPOTrainer
+
+    model_init_kwargs = dict(revision=model_args.model_revision)  # dtype, trust_remote_code: the config's own keys
+    model_init_kwargs.update(training_args.model_init_kwargs or {})
+    training_args.model_init_kwargs = model_init_kwargs
+    trainer = AsyncGSPOTrainer(model=model, reward_funcs=rewards, args=training_args, train_dataset=train_dataset,
+                               peft_config=get_peft_config(model_args), **tools)
+    trainer.train(resume_from_checkpoint=training_args.resume_from_checkpoint)
+    trainer.save_model(training_args.output_dir)
+    trainer.save_state()
     return trainer
 
 

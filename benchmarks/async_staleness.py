@@ -1,0 +1,261 @@
+"""GSPO under staleness, in miniature: what GSPO's narrow clip band (3e-4 / 4e-4) does when every sample is k weight
+versions old, as in asynchronous RL (`AsyncGSPOTrainer`), against TRL's asynchronous token-level loss (eps 0.2) and
+GSPO with a bound for negative advantages (`delta`, two-sided clip), with a float32 or a bfloat16 sampler.
+
+Task: the quickstart's single-digit addition (exact-match reward) on its tiny Qwen3-MoE after the noisy SFT cold start
+(600 steps, 50% correct answers; built once and cached, as benchmarks/sampler_likelihoods.py builds it).
+
+Each step: 4 prompts x 8 completions sampled by HF generate from the policy as it was k optimizer steps earlier (the
+first k steps: the initial policy), in float32 or in bfloat16; pi_old = the sampler's own log-probs (never
+recomputed, as TRL's asynchronous trainer takes them); group-normalized advantages (TRL's rollout worker's rule). The
+samples are packed by TRL's packer into one row and trained once by `AsyncGSPOTrainer.compute_loss` (TRL's own
+`compute_loss` for "grpo"), one optimizer step per batch, lr 5e-4 constant, grad norm clip 1. The benchmark drives the
+trainer's loss step by step so every sample's age is exactly k: through `trainer.train()`, TRL's data loader reads a
+batch ahead of the weight sync (measured, tests/test_async_trainer.py), so ages there are k or k + 1.
+
+Per arm (loss x staleness x sampler dtype), over seeds:
+- `clipped seq`: share of completions whose ratio was clipped (gspo: sequence ratio; grpo: any token clipped);
+- `clipped tok`: share of completion tokens whose objective was the clipped term;
+- `max|log s|`: the largest |sequence log-ratio| of a step (current policy vs the sampler), mean over steps;
+- `reward first / last`: mean reward over the first and the last 20% of steps (the sampler's samples: a stale
+  sampler's reward lags the policy by k steps).
+
+    python benchmarks/async_staleness.py             # 3 seeds, 150 steps, staleness 0 1 2 4: ~25 min on 2 cores
+    python benchmarks/async_staleness.py --quick     # 1 seed, 30 steps, staleness 0 and 4
+
+Last line, exactly: `async_staleness: <arm> <reward last> ...`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections import deque
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+LOSSES = {"gspo": dict(loss_type="gspo"), "gspo_delta": dict(loss_type="gspo", delta=2.0),
+          "grpo": dict(loss_type="grpo")}
+PROMPTS, GROUP, MAX_NEW = 4, 8, 4
+
+
+class _QueueWorker:
+    """No rollout worker: the benchmark samples itself (TRL's `RolloutWorkerProtocol`, idle)."""
+
+    def __init__(self):
+        import queue
+
+        self.rollout_buffer, self.metrics_queue = queue.Queue(), queue.Queue()
+
+    def start(self):
+        pass
+
+    def stop(self):
+        pass
+
+    def update_model_version(self, version):
+        pass
+
+    def check_health(self, stale_after_s):
+        pass
+
+
+class _NoWeightTransfer:
+    """No server: the sampler is a copy of the policy k steps old (TRL's `WeightTransferProtocol`, idle)."""
+
+    def init_weight_transfer(self):
+        pass
+
+    def pause(self):
+        pass
+
+    def send_weights(self, weights):
+        pass
+
+    def resume(self):
+        pass
+
+    def destroy(self):
+        pass
+
+
+def one_run(spec: dict) -> dict:
+    """One run in this process; returns its per-step figures."""
+    import numpy as np
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    sys.path.insert(0, str(ROOT / "tests"))
+    import async_stand_ins
+
+    async_stand_ins.install()
+    from trl.experimental.async_grpo.packing import TreeRow
+
+    from trl_gspo import AsyncGSPOConfig, AsyncGSPOTrainer
+    from trl_gspo.async_trainer import _VersionedRolloutCollator
+    from trl_gspo.quickstart.addition import exact_match_reward, make_rl_dataset
+
+    torch.set_num_threads(1)
+    torch.manual_seed(spec["seed"])
+    model_dir, staleness, dtype = spec["model_dir"], spec["staleness"], getattr(torch, spec["dtype"])
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    args = AsyncGSPOConfig(output_dir=spec["output_dir"], use_cpu=True, report_to="none", disable_tqdm=True,
+                           save_strategy="no", seed=spec["seed"], learning_rate=5e-4, max_steps=spec["steps"],
+                           max_staleness=staleness, token_budget=0, **LOSSES[spec["loss"]])
+    trainer = AsyncGSPOTrainer(model=model_dir, args=args, train_dataset=make_rl_dataset(8, seed=0),
+                               processing_class=tokenizer, rollout_worker=_QueueWorker(),
+                               weight_transfer=_NoWeightTransfer())
+    model = trainer.model
+    trainer.create_optimizer_and_scheduler(num_training_steps=spec["steps"])
+    trainer.current_gradient_accumulation_steps = 1
+    collator = _VersionedRolloutCollator(pad_token_id=tokenizer.pad_token_id, num_processes=1)
+    sampler = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).eval()
+    versions = deque([{k: v.detach().clone() for k, v in model.state_dict().items()}], maxlen=staleness + 1)
+    data = make_rl_dataset(spec["steps"] * PROMPTS, seed=spec["seed"])
+    steps = []
+    for step in range(spec["steps"]):
+        sampler.load_state_dict(versions[0])  # the policy `staleness` steps ago (cast to the sampler's dtype)
+        rows = data[step * PROMPTS:(step + 1) * PROMPTS]
+        samples, rewards = [], []
+        for group, (prompt, answer) in enumerate(zip(rows["prompt"], rows["answer"])):
+            prompt_ids = tokenizer(prompt)["input_ids"]
+            with torch.no_grad():
+                out = sampler.generate(torch.tensor([prompt_ids] * GROUP), do_sample=True, temperature=1.0,
+                                       top_k=0, top_p=1.0, max_new_tokens=MAX_NEW, pad_token_id=tokenizer.pad_token_id,
+                                       eos_token_id=tokenizer.eos_token_id)
+                logits = sampler(out).logits.float()
+            logps = logits[:, :-1].log_softmax(-1).gather(-1, out[:, 1:, None])[..., 0]
+            texts, completions = [], []
+            for row in range(GROUP):
+                completion = out[row, len(prompt_ids):].tolist()
+                if tokenizer.eos_token_id in completion:
+                    completion = completion[:completion.index(tokenizer.eos_token_id) + 1]
+                completions.append(completion)
+                texts.append(tokenizer.decode(completion))
+            reward = np.array(exact_match_reward(texts, answer=[answer] * GROUP), dtype=float)
+            advantages = (reward - reward.mean()) / (reward.std() + 1e-8)  # TRL's rollout worker's rule
+            rewards.extend(reward.tolist())
+            for row, completion in enumerate(completions):
+                n = len(completion)
+                sampled = logps[row, len(prompt_ids) - 1:len(prompt_ids) - 1 + n].tolist()
+                samples.append({"input_ids": np.array(prompt_ids + completion),
+                                "completion_mask": np.array([0] * len(prompt_ids) + [1] * n),
+                                "old_log_probs": np.array([0.0] * len(prompt_ids) + sampled, dtype=np.float32),
+                                "advantage": float(advantages[row]), "group_id": group, "metrics": {},
+                                "model_version": step + 1 - len(versions)})
+        row = TreeRow()
+        for sample in samples:
+            row.add(sample)
+        batch = collator([[row]])
+        trainer._policy_version = step
+        model.train()
+        loss = trainer.compute_loss(model, batch)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        trainer.optimizer.step()
+        trainer.lr_scheduler.step()
+        trainer.optimizer.zero_grad()
+        versions.append({k: v.detach().clone() for k, v in model.state_dict().items()})
+        logged = {name: values[-1] for name, values in trainer._metrics["train"].items() if values}
+        trainer._metrics["train"].clear()
+        if spec["loss"] == "grpo":  # TRL's metrics: token shares
+            clipped_seq, clipped_tok = float("nan"), logged["clip_ratio/region_mean"]
+            log_ratio = float("nan")
+        else:
+            clipped_seq, clipped_tok = logged["clip_ratio/region_mean"], logged["gspo/clipped_token_fraction"]
+            log_ratio = logged["gspo/log_ratio_abs_max"]
+        steps.append({"reward": statistics.fmean(rewards), "clipped_seq": clipped_seq, "clipped_tok": clipped_tok,
+                      "log_ratio_abs_max": log_ratio, "loss": float(loss)})
+    return {"steps": steps}
+
+
+def summarize(run: dict) -> dict:
+    steps = run["steps"]
+    fifth = max(len(steps) // 5, 1)
+
+    def mean(key, part):
+        values = [s[key] for s in part if s[key] == s[key]]
+        return statistics.fmean(values) if values else float("nan")
+
+    return {"reward_first": mean("reward", steps[:fifth]), "reward_last": mean("reward", steps[-fifth:]),
+            "clipped_seq": mean("clipped_seq", steps), "clipped_tok": mean("clipped_tok", steps),
+            "log_ratio_abs_max": mean("log_ratio_abs_max", steps)}
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help="1 seed, 30 steps, staleness 0 and 4")
+    parser.add_argument("--seeds", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=150)
+    parser.add_argument("--staleness", default="0,1,2,4")
+    parser.add_argument("--losses", default="gspo,gspo_delta,grpo")
+    parser.add_argument("--dtypes", default="float32,bfloat16")
+    parser.add_argument("--jobs", type=int, default=2, help="runs at once (one torch thread each)")
+    parser.add_argument("--sft-steps", type=int, default=600, help="cold-start steps (the quickstart's 600)")
+    parser.add_argument("--cache", default=os.path.join(tempfile.gettempdir(), "trl_gspo_bench"))
+    parser.add_argument("--out", help="write every run's per-step figures here (JSON)")
+    parser.add_argument("--one", help=argparse.SUPPRESS)  # internal: one run in this process
+    options = parser.parse_args()
+    if options.one:
+        print("RESULT " + json.dumps(one_run(json.loads(options.one))), flush=True)
+        return
+    seeds, steps, stalenesses = ((1, 30, [0, 4]) if options.quick else
+                                 (options.seeds, options.steps, [int(k) for k in options.staleness.split(",")]))
+    sys.path.insert(0, str(Path(__file__).parent))
+    import _setup
+    import torch
+    from sampler_likelihoods import build_cold_started
+
+    _setup.header("async_staleness", "cpu", torch.float32, "trainer float32")
+    model_dir = build_cold_started(Path(options.cache) / f"sampler_likelihoods_model_sft{options.sft_steps}",
+                                   options.sft_steps)
+    specs = [dict(loss=loss, staleness=k, dtype=dtype, seed=seed, steps=steps, model_dir=str(model_dir))
+             for loss in options.losses.split(",") for dtype in options.dtypes.split(",") for k in stalenesses
+             for seed in range(seeds)]
+
+    def launch(spec):
+        with tempfile.TemporaryDirectory() as output_dir:
+            env = dict(os.environ, TOKENIZERS_PARALLELISM="false", OMP_NUM_THREADS="1", TRL_EXPERIMENTAL_SILENCE="1")
+            started = time.perf_counter()
+            done = subprocess.run([sys.executable, __file__, "--one", json.dumps({**spec, "output_dir": output_dir})],
+                                  env=env, capture_output=True, text=True)
+        line = next((x for x in done.stdout.splitlines() if x.startswith("RESULT ")), None)
+        if line is None:
+            sys.exit(f"{spec} failed:\n{(done.stdout + done.stderr)[-3000:]}")
+        run = json.loads(line[len("RESULT "):])
+        run["seconds"] = time.perf_counter() - started
+        print(f"  {spec['loss']:<10} k={spec['staleness']} {spec['dtype']:<8} seed {spec['seed']}: "
+              f"{ {k: round(v, 4) for k, v in summarize(run).items()} } ({run['seconds']:.0f} s)", flush=True)
+        return spec, run
+
+    with ThreadPoolExecutor(options.jobs) as pool:
+        runs = list(pool.map(launch, specs))
+    if options.out:
+        Path(options.out).write_text(json.dumps([{"spec": spec, **run} for spec, run in runs]))
+    arms = {}
+    for spec, run in runs:
+        arms.setdefault((spec["loss"], spec["dtype"], spec["staleness"]), []).append(summarize(run))
+
+    print(f"\n{'loss':<10} {'sampler':<8} {'k':>2} {'clipped seq':>11} {'clipped tok':>11} {'max|log s|':>10} "
+          f"{'reward first':>12} {'reward last':>16}   (means over {seeds} seeds, {steps} steps)")
+    for (loss, dtype, k), summaries in arms.items():
+        def mean(key):
+            return statistics.fmean(s[key] for s in summaries)
+        last = [s["reward_last"] for s in summaries]
+        spread = f" +-{statistics.stdev(last):.3f}" if len(last) > 1 else ""
+        print(f"{loss:<10} {dtype:<8} {k:>2} {mean('clipped_seq'):>11.3f} {mean('clipped_tok'):>11.3f} "
+              f"{mean('log_ratio_abs_max'):>10.2e} {mean('reward_first'):>12.3f} {mean('reward_last'):>10.3f}{spread}")
+    print("async_staleness: " + " ".join(
+        f"{loss}:{dtype}:k{k} {statistics.fmean(s['reward_last'] for s in summaries):.3f}"
+        for (loss, dtype, k), summaries in arms.items()))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,320 @@
+"""`AsyncGSPOTrainer` (trl_gspo/async_trainer.py) without a server: TRL's asynchronous trainer on a CPU with the
+test stand-ins of tests/async_stand_ins.py, a rollout worker that is a queue the test fills, and no weight transfer.
+
+The loss is checked on TRL's own packed rows (its trie packing, tree attention, fused LM head): value and gradient of
+every parameter against a float64 reference written from the paper (one completion at a time, a plain forward, no
+packing), and against the synchronous `GSPOTrainer`'s loss on the same samples unpadded-and-unpacked."""
+
+import copy
+import queue
+
+import numpy as np
+import pytest
+import torch
+from conftest import tiny_config, toy_dataset
+
+import async_stand_ins
+
+async_stand_ins.install()
+
+from trl.experimental.async_grpo.async_rollout_worker import RolloutSample  # noqa: E402
+from trl.experimental.async_grpo.packing import TreeRow  # noqa: E402
+from transformers import AutoModelForCausalLM  # noqa: E402
+
+from trl_gspo import AsyncGSPOConfig, AsyncGSPOTrainer, GSPOTrainer  # noqa: E402
+from trl_gspo.async_trainer import _VersionedRolloutCollator  # noqa: E402
+from trl_gspo.quickstart.model import build_model  # noqa: E402
+
+EPS_LOW, EPS_HIGH = 3e-4, 4e-4
+
+
+class QueueWorker:
+    """TRL's `RolloutWorkerProtocol` as a queue the test fills with `RolloutSample`s."""
+
+    def __init__(self, samples=()):
+        self.rollout_buffer, self.metrics_queue = queue.Queue(), queue.Queue()
+        for sample in samples:
+            self.rollout_buffer.put(sample)
+
+    def start(self):
+        pass
+
+    def stop(self):
+        pass
+
+    def update_model_version(self, version):
+        pass
+
+    def check_health(self, stale_after_s):
+        pass
+
+
+class NoWeightTransfer:
+    """TRL's `WeightTransferProtocol` doing nothing (there is no server); TRL supports injecting one."""
+
+    def init_weight_transfer(self):
+        pass
+
+    def pause(self):
+        pass
+
+    def send_weights(self, weights):
+        for _ in weights:
+            pass
+
+    def resume(self):
+        pass
+
+    def destroy(self):
+        pass
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory, tokenizer):
+    path = tmp_path_factory.mktemp("async_model")
+    build_model(tokenizer).save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path
+
+
+def _trainer(model_dir, tokenizer, tmp_path, samples=(), **config):
+    tokenizer = copy.deepcopy(tokenizer)
+    tokenizer.padding_side = "left"
+    args = AsyncGSPOConfig(**{**dict(output_dir=str(tmp_path), use_cpu=True, report_to="none", max_steps=1,
+                                     per_device_train_batch_size=6, num_generations=4, token_budget=0,
+                                     logging_steps=1, save_strategy="no", router_aux_loss_coef=0.0,
+                                     disable_tqdm=True), **config})
+    return AsyncGSPOTrainer(model=str(model_dir), reward_funcs=[], args=args, train_dataset=toy_dataset(4),
+                            processing_class=tokenizer, rollout_worker=QueueWorker(samples),
+                            weight_transfer=NoWeightTransfer())
+
+
+# Two prompts; completions of the first share their first tokens (the trie forks inside the completion), one holds
+# a tool result (context, mask 0) between its policy tokens, one is a single token. (prompt, completion, mask, A).
+EPISODES = [
+    (0, [11, 12, 13, 14, 15], [1, 1, 1, 1, 1], 1.0),
+    (0, [11, 12, 20, 21, 22, 23], [1, 1, 1, 1, 1, 1], -0.8),
+    (0, [30, 31, 40, 41, 32, 33], [1, 1, 0, 0, 1, 1], 0.6),
+    (0, [17], [1], -1.1),
+    (1, [25, 26, 27], [1, 1, 1], 0.9),
+    (1, [25, 28, 29, 30], [1, 1, 1, 1], -0.4),
+]
+PROMPTS = [[5, 6, 7, 8, 9, 10], [6, 6, 7, 9]]
+# Sampler log-prob offsets per completion: inside GSPO's band, below it, above it (log ratio ~ -offset).
+OFFSETS = [0.0, 1e-3, -1e-3, 2e-3, -2e-3, 0.0]
+
+
+@torch.no_grad()
+def _reference_logps(model_dir):
+    """log pi(y_t) of every completion token, float64, one episode at a time (a plain forward, eager attention)."""
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float64, attn_implementation="eager",
+                                                 experts_implementation="eager")
+    out = []
+    for prompt, completion, _, _ in EPISODES:
+        ids = torch.tensor([PROMPTS[prompt] + completion])
+        logps = model(ids).logits[0, :-1].log_softmax(-1).gather(-1, ids[0, 1:, None])[:, 0]
+        out.append(logps[len(PROMPTS[prompt]) - 1:])
+    return out
+
+
+def _samples(model_dir):
+    """The episodes as TRL's queue reader yields them (plus `model_version`); pi_old: the float64 log-probs plus the
+    offsets."""
+    samples = []
+    for (prompt, completion, mask, advantage), logps, offset in zip(EPISODES, _reference_logps(model_dir), OFFSETS):
+        ids = PROMPTS[prompt] + completion
+        full_mask = [0] * len(PROMPTS[prompt]) + mask
+        old = [0.0] * len(PROMPTS[prompt]) + [float(lp) + offset if m else 0.0 for lp, m in zip(logps, mask)]
+        samples.append({"input_ids": np.array(ids), "completion_mask": np.array(full_mask),
+                        "old_log_probs": np.array(old, dtype=np.float32), "advantage": advantage,
+                        "group_id": prompt, "metrics": {}, "model_version": 0})
+    return samples
+
+
+def _reference_loss(model, sampled, token_level):
+    """-J of Eq. 5 (or 13 with per-sequence advantages) with s_i of Eq. 7 over each completion's policy tokens,
+    float64, from `model`'s plain forward, one completion at a time."""
+    terms = []
+    for (prompt, completion, mask, advantage), offset, sampled_logps in zip(EPISODES, OFFSETS, sampled):
+        ids = torch.tensor([PROMPTS[prompt] + completion])
+        logps = model(ids).logits[0, :-1].log_softmax(-1).gather(-1, ids[0, 1:, None])[:, 0]
+        logps = logps[len(PROMPTS[prompt]) - 1:][torch.tensor(mask).bool()]
+        old = sampled_logps[torch.tensor(mask).bool()] + offset
+        log_s = (logps - old).mean()
+        if token_level:  # s_i,t = sg[s_i] pi_t / sg[pi_t]
+            ratio = torch.exp(log_s).detach() * torch.exp(logps - logps.detach())
+        else:
+            ratio = torch.exp(log_s)
+        term = torch.minimum(ratio * advantage, ratio.clamp(1 - EPS_LOW, 1 + EPS_HIGH) * advantage)
+        terms.append(term.mean())
+    return -torch.stack(terms).mean()
+
+
+def _packed_batch(samples, rows=1):
+    tree_rows = [TreeRow() for _ in range(rows)]
+    for i, sample in enumerate(samples):
+        tree_rows[i % rows].add(sample)
+    return _VersionedRolloutCollator(pad_token_id=0, num_processes=rows)([tree_rows])
+
+
+def _loss_and_grads(trainer, batch):
+    model = trainer.model
+    model.train()
+    model.zero_grad()
+    trainer.current_gradient_accumulation_steps = 1
+    trainer._policy_version = 0
+    loss = trainer.compute_loss(model, batch)
+    loss.backward()
+    return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+@pytest.mark.parametrize("loss_type", ["gspo", "gspo_token"])
+def test_packed_loss_and_gradients_match_the_float64_reference(model_dir, tokenizer, tmp_path, loss_type):
+    trainer = _trainer(model_dir, tokenizer, tmp_path, loss_type=loss_type)
+    batch = _packed_batch(_samples(model_dir))
+    assert batch["input_ids"].shape[1] < sum(len(PROMPTS[p]) + len(c) for p, c, _, _ in EPISODES)  # shared prefixes
+    loss, grads = _loss_and_grads(trainer, batch)
+
+    reference = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float64, attn_implementation="eager",
+                                                 experts_implementation="eager")
+    expected = _reference_loss(reference, _reference_logps(model_dir), token_level=loss_type == "gspo_token")
+    expected.backward()
+    assert loss.item() == pytest.approx(expected.item(), rel=1e-5, abs=1e-7)
+    expected_grads = {n: p.grad for n, p in reference.named_parameters() if p.grad is not None}
+    assert set(grads) == set(expected_grads)
+    scale = max(g.abs().max().item() for g in expected_grads.values())
+    for name, grad in grads.items():
+        torch.testing.assert_close(grad.double(), expected_grads[name], rtol=1e-4, atol=1e-5 * scale, msg=name)
+
+    # The clip band acted: both clipped and unclipped completions, so a wrong |y_i| or band would show.
+    logged = trainer._metrics["train"]
+    assert 0 < logged["clip_ratio/region_mean"][-1] < 1
+    assert logged["gspo/clipped_sequence_fraction/age_0"][-1][1] == len(EPISODES)
+
+
+def test_packed_loss_equals_the_synchronous_trainers_loss_on_the_same_samples(model_dir, tokenizer, tmp_path):
+    """Same samples, same weights: `GSPOTrainer._compute_loss` on TRL's synchronous (padded, unpacked) batch with the
+    tool result masked by `tool_mask` gives AsyncGSPOTrainer's loss on the packed row, value and gradients."""
+    samples = _samples(model_dir)
+    packed = _trainer(model_dir, tokenizer, tmp_path / "async")
+    loss, grads = _loss_and_grads(packed, _packed_batch(samples, rows=1))
+
+    sync = GSPOTrainer(model=AutoModelForCausalLM.from_pretrained(model_dir), reward_funcs=lambda **k: [0.0],
+                       args=tiny_config(tmp_path / "sync", router_aux_loss_coef=0.0), train_dataset=toy_dataset(),
+                       processing_class=tokenizer)
+    width_p = max(len(p) for p in PROMPTS)
+    width_c = max(len(c) for _, c, _, _ in EPISODES)
+    prompt_ids = torch.tensor([[0] * (width_p - len(PROMPTS[p])) + PROMPTS[p] for p, _, _, _ in EPISODES])
+    prompt_mask = torch.tensor([[0] * (width_p - len(PROMPTS[p])) + [1] * len(PROMPTS[p]) for p, _, _, _ in EPISODES])
+    completion_ids = torch.tensor([c + [0] * (width_c - len(c)) for _, c, _, _ in EPISODES])
+    completion_mask = torch.tensor([[1] * len(c) + [0] * (width_c - len(c)) for _, c, _, _ in EPISODES])
+    tool_mask = torch.tensor([m + [1] * (width_c - len(m)) for _, _, m, _ in EPISODES])
+    old = torch.zeros(len(EPISODES), width_c)
+    for i, sample in enumerate(samples):
+        n = len(EPISODES[i][1])
+        old[i, :n] = torch.from_numpy(sample["old_log_probs"][-n:])
+    inputs = {"prompt_ids": prompt_ids, "prompt_mask": prompt_mask, "completion_ids": completion_ids,
+              "completion_mask": completion_mask, "tool_mask": tool_mask, "old_per_token_logps": old,
+              "advantages": torch.tensor([a for _, _, _, a in EPISODES])}
+    sync.model.train()
+    sync.model.zero_grad()
+    sync.current_gradient_accumulation_steps = 1
+    sync_loss = sync._compute_loss(sync.model, inputs)
+    sync_loss.backward()
+    assert loss.item() == pytest.approx(sync_loss.item(), rel=1e-5, abs=1e-7)
+    for name, param in sync.model.named_parameters():
+        if param.grad is not None:
+            torch.testing.assert_close(grads[name], param.grad, rtol=1e-4, atol=1e-6, msg=name)
+
+
+def _rollout_samples(versions, group_size=4):
+    """RolloutSamples (what TRL's worker queues), one group per entry of `versions` (the weight version it was
+    sampled with), fixed random tokens."""
+    rng = np.random.default_rng(0)
+    samples = []
+    for group, version in enumerate(versions):
+        prompt = list(rng.integers(5, 40, 6))
+        for k in range(group_size):
+            ids = np.array(prompt + list(rng.integers(5, 40, 5)))
+            mask = np.array([0] * 6 + [1] * 5)
+            samples.append(RolloutSample(prompt=[], completion=[], input_ids=ids, completion_mask=mask,
+                                         old_log_probs=np.where(mask, -3.9, 0.0).astype(np.float32),
+                                         advantage=float(k) - 1.5, model_version=version, group_id=group,
+                                         metrics={"reward": float(k)}))
+    return samples
+
+
+@pytest.mark.parametrize("loss_type", ["gspo", "gspo_token", "grpo"])
+def test_trains_on_queued_samples_drops_stale_ones_and_logs_clipping_by_age(model_dir, tokenizer, tmp_path,
+                                                                              loss_type):
+    """Two optimizer steps of 8 samples. The trainer is at weight version 1 after its start-up sync, 2 after step 1.
+    Version -5 samples are past max_staleness=2 and dropped (TRL's rule). The version 0 ones are trained at age 1,
+    then at age 2: the dataloader reads the second batch before step 1's weight sync, so age is taken when trained."""
+    versions = [-5, 0, 0, -5, 0, 0, 0, 0]
+    trainer = _trainer(model_dir, tokenizer, tmp_path, _rollout_samples(versions), loss_type=loss_type,
+                       max_steps=2, per_device_train_batch_size=8, max_staleness=2, router_aux_loss_coef=None)
+    before = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
+    trainer.train()
+    logs = [h for h in trainer.state.log_history if "loss" in h]
+    assert len(logs) == 2 and all(np.isfinite(h["loss"]) for h in logs)
+    assert any(not torch.equal(before[n], p) for n, p in trainer.model.named_parameters())
+    assert sum(h.get("sample/dropped_stale_total", 0) for h in logs) == 8
+    if loss_type == "grpo":  # TRL's own loss and metrics, untouched
+        assert "ratio" in logs[0] and not any(k.startswith("gspo/") for k in logs[0])
+    else:
+        ages = [sorted(k.rsplit("_", 1)[1] for k in h if k.startswith("gspo/clipped_sequence_fraction/")) for h in logs]
+        assert ages == [["1"], ["2"]]
+        assert {"gspo/ratio_mean", "gspo/clipped_token_fraction", "policy_loss", "aux_loss"} <= set(logs[0])
+
+
+def test_config_presets_and_refusals(tmp_path):
+    gspo = AsyncGSPOConfig(output_dir=str(tmp_path), use_cpu=True)
+    assert (gspo.loss_type, gspo.epsilon, gspo.epsilon_high) == ("gspo", EPS_LOW, EPS_HIGH)
+    assert gspo.paper_presets == {"epsilon": EPS_LOW, "epsilon_high": EPS_HIGH}
+    kept = AsyncGSPOConfig(output_dir=str(tmp_path), use_cpu=True, epsilon=1e-3)
+    assert (kept.epsilon, kept.epsilon_high) == (1e-3, EPS_HIGH)
+    trl = AsyncGSPOConfig(output_dir=str(tmp_path), use_cpu=True, loss_type="grpo")
+    assert (trl.epsilon, trl.epsilon_high, trl.paper_presets) == (0.2, None, {})
+    refusals = [(dict(loss_type="dapo"), "loss_type"), (dict(loss_type="grpo", delta=1.5), "delta"),
+                (dict(delta=1.0001), "delta"), (dict(epsilon="3e-4"), "epsilon"), (dict(epsilon=1.5), "epsilon"),
+                (dict(max_staleness=-1), "max_staleness")]
+    for options, option in refusals:
+        with pytest.raises(ValueError, match=f"`{option}`.*Fix"):
+            AsyncGSPOConfig(output_dir=str(tmp_path), use_cpu=True, **options)
+
+
+ASYNC_RECIPE = """trainer: async
+model_name_or_path: {model}
+dataset_name: {dataset}
+reward_funcs: [think_format_reward]
+vllm_server_base_url: {url}
+output_dir: {out}
+"""
+
+
+@pytest.mark.parametrize("change,option", [
+    (dict(), None),
+    (dict(url="gen:8000"), "vllm_server_base_url"),
+    (dict(model="builtin:tiny-qwen3-moe"), "trainer: async"),
+    (dict(extra="failed_tool_credit: -0.5\n"), "failed_tool_credit"),
+    (dict(extra="trainer: later\n"), "trainer"),
+    (dict(extra="steps_per_generation: 4\n"), "steps_per_generation"),  # a GSPOConfig key, not AsyncGSPOConfig's
+])
+def test_async_recipes_resolve_into_async_gspo_config_or_are_refused(tmp_path, capsys, monkeypatch, change, option):
+    from trl_gspo.launch.cli import main
+
+    monkeypatch.setattr("trl_gspo.launch.checks._probe_dataset", lambda key, path, config: None)
+    fields = dict(model="Qwen/Qwen3-0.6B", dataset="trl-lib/DeepMath-103K", url="http://gen:8000",
+                  out=tmp_path / "o", extra="")
+    fields.update(change)
+    text = ASYNC_RECIPE.format(**fields) + fields["extra"]
+    if "trainer: later" in text:
+        text = text.replace("trainer: async\n", "")
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text(text)
+    code = main(["--config", str(recipe), "--dry_run", "true"])
+    out, err = capsys.readouterr()
+    if option is None:
+        assert code == 0 and "AsyncGSPOTrainer" in out and "max_staleness=4" in out and "recipe is valid" in out
+    else:
+        assert code == 2 and f"`{option}" in err and ("Fix" in err or "unknown key" in err), err
