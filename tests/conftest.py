@@ -195,6 +195,18 @@ def tool_model_dir(tmp_path_factory):
     return path
 
 
+@pytest.fixture(scope="session")
+def tiny_moe_dir(tmp_path_factory, tokenizer):
+    """A directory with the tiny Qwen3-MoE (`trl_gspo.quickstart.model.build_model`, seed 0) and its tokenizer, for
+    trainers that load a model by path (TRL's asynchronous trainer)."""
+    from trl_gspo.quickstart.model import build_model
+
+    path = tmp_path_factory.mktemp("tiny_moe")
+    build_model(tokenizer).save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path
+
+
 @pytest.fixture
 def one_torch_thread():
     """One torch thread for the test: the tool model is so small that one is much faster than two (measured 5-40x on

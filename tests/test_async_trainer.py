@@ -23,7 +23,6 @@ from transformers import AutoModelForCausalLM  # noqa: E402
 
 from trl_gspo import AsyncGSPOConfig, AsyncGSPOTrainer, GSPOTrainer  # noqa: E402
 from trl_gspo.async_trainer import _VersionedRolloutCollator  # noqa: E402
-from trl_gspo.quickstart.model import build_model  # noqa: E402
 
 EPS_LOW, EPS_HIGH = 3e-4, 4e-4
 
@@ -69,22 +68,14 @@ class NoWeightTransfer:
         pass
 
 
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory, tokenizer):
-    path = tmp_path_factory.mktemp("async_model")
-    build_model(tokenizer).save_pretrained(path)
-    tokenizer.save_pretrained(path)
-    return path
-
-
-def _trainer(model_dir, tokenizer, tmp_path, samples=(), **config):
+def _trainer(tiny_moe_dir, tokenizer, tmp_path, samples=(), **config):
     tokenizer = copy.deepcopy(tokenizer)
     tokenizer.padding_side = "left"
     args = AsyncGSPOConfig(**{**dict(output_dir=str(tmp_path), use_cpu=True, report_to="none", max_steps=1,
                                      per_device_train_batch_size=6, num_generations=4, token_budget=0,
                                      logging_steps=1, save_strategy="no", router_aux_loss_coef=0.0,
                                      disable_tqdm=True), **config})
-    return AsyncGSPOTrainer(model=str(model_dir), reward_funcs=[], args=args, train_dataset=toy_dataset(4),
+    return AsyncGSPOTrainer(model=str(tiny_moe_dir), reward_funcs=[], args=args, train_dataset=toy_dataset(4),
                             processing_class=tokenizer, rollout_worker=QueueWorker(samples),
                             weight_transfer=NoWeightTransfer())
 
@@ -105,9 +96,9 @@ OFFSETS = [0.0, 1e-3, -1e-3, 2e-3, -2e-3, 0.0]
 
 
 @torch.no_grad()
-def _reference_logps(model_dir):
+def _reference_logps(tiny_moe_dir):
     """log pi(y_t) of every completion token, float64, one episode at a time (a plain forward, eager attention)."""
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float64, attn_implementation="eager",
+    model = AutoModelForCausalLM.from_pretrained(tiny_moe_dir, dtype=torch.float64, attn_implementation="eager",
                                                  experts_implementation="eager")
     out = []
     for prompt, completion, _, _ in EPISODES:
@@ -117,11 +108,11 @@ def _reference_logps(model_dir):
     return out
 
 
-def _samples(model_dir):
+def _samples(tiny_moe_dir):
     """The episodes as TRL's queue reader yields them (plus `model_version`); pi_old: the float64 log-probs plus the
     offsets."""
     samples = []
-    for (prompt, completion, mask, advantage), logps, offset in zip(EPISODES, _reference_logps(model_dir), OFFSETS):
+    for (prompt, completion, mask, advantage), logps, offset in zip(EPISODES, _reference_logps(tiny_moe_dir), OFFSETS):
         ids = PROMPTS[prompt] + completion
         full_mask = [0] * len(PROMPTS[prompt]) + mask
         old = [0.0] * len(PROMPTS[prompt]) + [float(lp) + offset if m else 0.0 for lp, m in zip(logps, mask)]
@@ -169,15 +160,15 @@ def _loss_and_grads(trainer, batch):
 
 
 @pytest.mark.parametrize("loss_type", ["gspo", "gspo_token"])
-def test_packed_loss_and_gradients_match_the_float64_reference(model_dir, tokenizer, tmp_path, loss_type):
-    trainer = _trainer(model_dir, tokenizer, tmp_path, loss_type=loss_type)
-    batch = _packed_batch(_samples(model_dir))
+def test_packed_loss_and_gradients_match_the_float64_reference(tiny_moe_dir, tokenizer, tmp_path, loss_type):
+    trainer = _trainer(tiny_moe_dir, tokenizer, tmp_path, loss_type=loss_type)
+    batch = _packed_batch(_samples(tiny_moe_dir))
     assert batch["input_ids"].shape[1] < sum(len(PROMPTS[p]) + len(c) for p, c, _, _ in EPISODES)  # shared prefixes
     loss, grads = _loss_and_grads(trainer, batch)
 
-    reference = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float64, attn_implementation="eager",
+    reference = AutoModelForCausalLM.from_pretrained(tiny_moe_dir, dtype=torch.float64, attn_implementation="eager",
                                                  experts_implementation="eager")
-    expected = _reference_loss(reference, _reference_logps(model_dir), token_level=loss_type == "gspo_token")
+    expected = _reference_loss(reference, _reference_logps(tiny_moe_dir), token_level=loss_type == "gspo_token")
     expected.backward()
     assert loss.item() == pytest.approx(expected.item(), rel=1e-5, abs=1e-7)
     expected_grads = {n: p.grad for n, p in reference.named_parameters() if p.grad is not None}
@@ -192,14 +183,14 @@ def test_packed_loss_and_gradients_match_the_float64_reference(model_dir, tokeni
     assert logged["gspo/clipped_sequence_fraction/age_0"][-1][1] == len(EPISODES)
 
 
-def test_packed_loss_equals_the_synchronous_trainers_loss_on_the_same_samples(model_dir, tokenizer, tmp_path):
+def test_packed_loss_equals_the_synchronous_trainers_loss_on_the_same_samples(tiny_moe_dir, tokenizer, tmp_path):
     """Same samples, same weights: `GSPOTrainer._compute_loss` on TRL's synchronous (padded, unpacked) batch with the
     tool result masked by `tool_mask` gives AsyncGSPOTrainer's loss on the packed row, value and gradients."""
-    samples = _samples(model_dir)
-    packed = _trainer(model_dir, tokenizer, tmp_path / "async")
+    samples = _samples(tiny_moe_dir)
+    packed = _trainer(tiny_moe_dir, tokenizer, tmp_path / "async")
     loss, grads = _loss_and_grads(packed, _packed_batch(samples, rows=1))
 
-    sync = GSPOTrainer(model=AutoModelForCausalLM.from_pretrained(model_dir), reward_funcs=lambda **k: [0.0],
+    sync = GSPOTrainer(model=AutoModelForCausalLM.from_pretrained(tiny_moe_dir), reward_funcs=lambda **k: [0.0],
                        args=tiny_config(tmp_path / "sync", router_aux_loss_coef=0.0), train_dataset=toy_dataset(),
                        processing_class=tokenizer)
     width_p = max(len(p) for p in PROMPTS)
@@ -245,13 +236,13 @@ def _rollout_samples(versions, group_size=4):
 
 
 @pytest.mark.parametrize("loss_type", ["gspo", "gspo_token", "grpo"])
-def test_trains_on_queued_samples_drops_stale_ones_and_logs_clipping_by_age(model_dir, tokenizer, tmp_path,
+def test_trains_on_queued_samples_drops_stale_ones_and_logs_clipping_by_age(tiny_moe_dir, tokenizer, tmp_path,
                                                                               loss_type):
     """Two optimizer steps of 8 samples. The trainer is at weight version 1 after its start-up sync, 2 after step 1.
     Version -5 samples are past max_staleness=2 and dropped (TRL's rule). The version 0 ones are trained at age 1,
     then at age 2: the dataloader reads the second batch before step 1's weight sync, so age is taken when trained."""
     versions = [-5, 0, 0, -5, 0, 0, 0, 0]
-    trainer = _trainer(model_dir, tokenizer, tmp_path, _rollout_samples(versions), loss_type=loss_type,
+    trainer = _trainer(tiny_moe_dir, tokenizer, tmp_path, _rollout_samples(versions), loss_type=loss_type,
                        max_steps=2, per_device_train_batch_size=8, max_staleness=2, router_aux_loss_coef=None)
     before = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
     trainer.train()

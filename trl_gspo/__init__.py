@@ -8,7 +8,7 @@ from importlib import import_module
 __version__ = "0.1.0"
 
 _LAZY = {
-    "AsyncGSPOConfig": "trl_gspo.async_trainer",
+    "AsyncGSPOConfig": "trl_gspo.async_config",
     "AsyncGSPOTrainer": "trl_gspo.async_trainer",
     "GSPOConfig": "trl_gspo.config",
     "GSPOTrainer": "trl_gspo.trainer",

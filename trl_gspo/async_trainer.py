@@ -14,93 +14,37 @@ math is `trl_gspo.losses.gspo_packed_loss`; this module only wires it into TRL a
 `GSPOTrainer`, plus the share of completions whose ratio was clipped by sample age (weight versions behind when the
 trainer read it): `gspo/clipped_sequence_fraction/age_K`. `loss_type="grpo"` is TRL's own loss, untouched.
 
+`routing_replay="sampler"` (R3) forces, in the training forward, the experts each token used where the server
+sampled it (trl_gspo/async_routing.py).
+
 Everything else is TRL's: the rollout worker, staleness dropping, packing, weight transfer, checkpoints and resume.
 """
 
 from __future__ import annotations
 
-import numbers
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 from accelerate.utils import broadcast_object_list
 from torch.utils.data import DataLoader
-from trl.experimental.async_grpo import AsyncGRPOConfig, AsyncGRPOTrainer
+from trl.experimental.async_grpo import AsyncGRPOTrainer
 from trl.experimental.async_grpo.async_grpo_trainer import (
     DataCollatorForRollout,
     FixedCountBatcher,
     RolloutQueueDataset,
+    AsyncRolloutWorker,
     TokenBudgetBatcher,
     _EmptyIterableDataset,
 )
 from trl.trainer.utils import pad
 
 from . import metrics as gspo_metrics
-from .config import GSPO_LOSS_TYPES, PAPER_EPSILON_HIGH, PAPER_EPSILON_LOW
+from .async_config import AsyncGSPOConfig
+from .config import GSPO_LOSS_TYPES
+from .async_routing import RoutedRolloutLoop, packed_routes
 from .losses import gspo_packed_loss, unpack_segments
-
-# "grpo": TRL's asynchronous loss as it ships (token-level clipped ratio, mean over the micro-batch's tokens).
-ASYNC_LOSS_TYPES = (*GSPO_LOSS_TYPES, "grpo")
-
-
-@dataclass
-class AsyncGSPOConfig(AsyncGRPOConfig):
-    """`AsyncGRPOConfig` with GSPO's loss types. For `"gspo"` / `"gspo_token"`, fields left unset take the GSPO paper's
-    values (Section 5.1): `epsilon=3e-4`, `epsilon_high=4e-4`. TRL's asynchronous trainer has no KL term and no
-    reference model, so the paper's `beta=0` holds by construction. For `"grpo"` the defaults are TRL's (`0.2`)."""
-
-    loss_type: str = field(
-        default="gspo",
-        metadata={"help": "'gspo' (sequence ratio, GSPO paper Eq. 5/7), 'gspo_token' (Eq. 13-14), or 'grpo' (TRL's "
-                          "own asynchronous token-level loss)."},
-    )
-    epsilon: float | None = field(
-        default=None,
-        metadata={"help": "Lower clip range. Unset: 3e-4 for gspo types (GSPO paper), 0.2 for 'grpo' (TRL's)."},
-    )
-    epsilon_high: float | None = field(
-        default=None,
-        metadata={"help": "Upper clip range. Unset: 4e-4 for gspo types (GSPO paper); for 'grpo', same as epsilon."},
-    )
-    delta: float | None = field(
-        default=None,
-        metadata={"help": "gspo types: cap on the unclipped sequence ratio for negative advantages (two-sided / dual "
-                          "clip, > 1 + epsilon_high): a stale sample the policy has made much more likely can no "
-                          "longer push an unbounded negative update. None (default): the paper's objective."},
-    )
-
-    def __post_init__(self):
-        if not isinstance(self.loss_type, str) or self.loss_type not in ASYNC_LOSS_TYPES:
-            raise ValueError(f"`loss_type`: {self.loss_type!r} is not one AsyncGSPOTrainer runs. Fix: use one of "
-                             f"{', '.join(repr(t) for t in ASYNC_LOSS_TYPES)} (TRL's asynchronous trainer implements "
-                             "no other loss type).")
-        for name in ("epsilon", "epsilon_high", "delta"):
-            value = getattr(self, name)
-            if value is not None and (not isinstance(value, numbers.Real) or isinstance(value, bool)):
-                raise ValueError(f"`{name}` must be a number, got {value!r}. Fix: e.g. `{name}=3e-4`.")
-        is_gspo = self.loss_type in GSPO_LOSS_TYPES
-        unset = [name for name in ("epsilon", "epsilon_high") if getattr(self, name) is None]
-        if self.epsilon is None:
-            self.epsilon = PAPER_EPSILON_LOW if is_gspo else 0.2
-        if self.epsilon_high is None and is_gspo:
-            self.epsilon_high = PAPER_EPSILON_HIGH
-        self.paper_presets = {name: getattr(self, name) for name in unset} if is_gspo else {}
-        high = self.epsilon_high if self.epsilon_high is not None else self.epsilon
-        if not 0 < self.epsilon < 1 or high <= 0:
-            raise ValueError(f"`epsilon` / `epsilon_high`: the clip band [1 - {self.epsilon}, 1 + {high}] is empty or "
-                             "reaches 0. Fix: 0 < epsilon < 1 and epsilon_high > 0 (GSPO paper: 3e-4 / 4e-4).")
-        if self.delta is not None:
-            if not is_gspo:
-                raise ValueError("`delta`: TRL's asynchronous 'grpo' loss has no two-sided clip. Fix: leave delta "
-                                 "unset, or use loss_type='gspo'.")
-            if self.delta <= 1 + high:
-                raise ValueError(f"`delta` ({self.delta}) must exceed 1 + epsilon_high ({1 + high}). Fix: e.g. 1.5.")
-        if self.max_staleness < 0:
-            raise ValueError(f"`max_staleness` ({self.max_staleness}) must be >= 0. Fix: 0 trains on-policy samples "
-                             "only; TRL's default is 4.")
-        super().__post_init__()
-
+from .routing.replay import RoutingReplay
 
 class _RecordingQueue:
     """The rollout queue, remembering the last sample read from it (TRL's reader keeps only some of its fields)."""
@@ -126,6 +70,7 @@ class _VersionedRolloutQueueDataset(RolloutQueueDataset):
     def __iter__(self):
         for item in super().__iter__():
             item["model_version"] = self.queue.last.model_version
+            item["routes"] = getattr(self.queue.last, "routes", None)  # RoutedRolloutSample (async_routing.py)
             yield item
 
 
@@ -135,9 +80,17 @@ class _VersionedRolloutCollator(DataCollatorForRollout):
     -1 padding) and the micro-batch's completion count over all rows (`global_n_sequences`, repeated per rank as
     TRL's counts are)."""
 
+    route_shape: tuple[int, int] | None = None  # (MoE layers, top_k) with routing_replay="sampler"
+    route_dtype: torch.dtype = torch.uint8
+
     def torch_call(self, examples):
         batch = super().torch_call(examples)
         (rows,) = examples
+        if self.route_shape is not None:  # the sampler's routes in the packed order, padded as the rows are
+            laid_out = [packed_routes(row, [s["routes"] for s in row.samples], *self.route_shape, self.route_dtype)
+                        for row in rows]
+            batch["routes"] = pad([routes for routes, _ in laid_out], padding_value=0)
+            batch["routed"] = pad([routed for _, routed in laid_out], padding_value=False)
         batch["segment_version"] = pad([torch.tensor([s["model_version"] for s in row.samples]) for row in rows],
                                        padding_value=-1)
         batch["global_n_sequences"] = torch.full((self.num_processes,), float(sum(len(row.samples) for row in rows)))
@@ -163,6 +116,11 @@ class AsyncGSPOTrainer(AsyncGRPOTrainer):
                             "trl_gspo.AsyncGSPOConfig(...), which takes every AsyncGRPOConfig field.")
         self.loss_type = args.loss_type
         super().__init__(model, reward_funcs, args, *pargs, **kwargs)
+        self._routing = None
+        if args.routing_replay == "sampler":
+            self._routing = RoutingReplay(self.accelerator.unwrap_model(self.model))  # refuses a dense model
+            if isinstance(self.rollout_worker, AsyncRolloutWorker):  # TRL's own worker: its loop keeps the routes
+                self.rollout_worker._loop_cls = RoutedRolloutLoop
 
     def get_train_dataloader(self) -> DataLoader:
         """TRL's pipeline (queue reader -> planner -> packer) with the reader and packer that keep sample ages."""
@@ -182,9 +140,11 @@ class AsyncGSPOTrainer(AsyncGRPOTrainer):
                 dataset = FixedCountBatcher(reader, processes, self.args.per_device_train_batch_size * processes)
         else:
             dataset = _EmptyIterableDataset()
+        route_shape = (len(self._routing.routers), self._routing.top_k) if self._routing is not None else None
         collator = _VersionedRolloutCollator(self.processing_class.pad_token_id, processes,
-                                        groups_trained=self._trained_groups, metrics=self._metrics["train"],
-                                        token_budget=max(self.args.token_budget or 0, 0))
+                                             groups_trained=self._trained_groups, metrics=self._metrics["train"],
+                                             token_budget=max(self.args.token_budget or 0, 0), route_shape=route_shape,
+                                             route_dtype=self._routing.index_dtype if self._routing else torch.uint8)
         return self.accelerator.prepare(DataLoader(dataset, batch_size=1, collate_fn=collator, num_workers=0))
 
     def _sync_weight(self):
@@ -195,9 +155,31 @@ class AsyncGSPOTrainer(AsyncGRPOTrainer):
 
     def _set_signature_columns_if_needed(self):
         super()._set_signature_columns_if_needed()
-        for name in ("segment_version", "global_n_sequences"):
+        for name in ("segment_version", "global_n_sequences", "routes", "routed"):
             if name not in self._signature_columns:
                 self._signature_columns.append(name)
+
+    def training_step(self, model, inputs, num_items_in_batch=None):
+        """TRL's step; with routing_replay="sampler" inside one replay block (forward and backward: gradient
+        checkpointing re-runs the routers in backward), forcing the sampler's routes at this rank's real positions."""
+        if self._routing is None:
+            return super().training_step(model, inputs, num_items_in_batch)
+        real = inputs["attention_mask"].bool()
+        routed = inputs["routed"][real][None]
+        if not bool(routed.any()):
+            raise ValueError("routing_replay='sampler': no sample of this micro-batch came with the server's routes. "
+                             "Fix: start the server with `trl-gspo vllm-serve` (it returns vLLM's routed experts for a "
+                             "Mixture-of-Experts model), or set routing_replay='none'.")
+        with self._routing.replay(inputs["routes"][real][None], routed, stats_mask=routed):
+            loss = super().training_step(model, inputs, num_items_in_batch)
+        counts = self.accelerator.reduce(torch.cat([self._routing.token_counts.sum(0).double(),
+                                                    torch.stack([routed.sum(), real.sum()]).double()]),
+                                         reduction="sum").tolist()
+        drifted, overridden, counted, routed_tokens, tokens = counts
+        self._metrics["train"]["routing/replay_drift"].append((drifted, counted))
+        self._metrics["train"]["routing/replay_overridden_fraction"].append((overridden, counted))
+        self._metrics["train"]["routing/unrouted_token_fraction"].append((tokens - routed_tokens, tokens))
+        return loss
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         if self.loss_type not in GSPO_LOSS_TYPES:

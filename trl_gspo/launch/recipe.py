@@ -130,7 +130,7 @@ def config_class(asynchronous: bool, before_launch: bool = False) -> type:
     """The training config a recipe's keys fill: `GSPOConfig`, or `AsyncGSPOConfig` for `trainer: async`."""
     if not asynchronous:
         return _BeforeLaunchGSPOConfig if before_launch else GSPOConfig
-    from ..async_trainer import AsyncGSPOConfig
+    from ..async_config import AsyncGSPOConfig
 
     return type("_BeforeLaunchAsyncGSPOConfig", (_BeforeLaunch, AsyncGSPOConfig), {}) if before_launch \
         else AsyncGSPOConfig

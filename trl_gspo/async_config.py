@@ -1,0 +1,81 @@
+"""`AsyncGSPOConfig`: TRL's `AsyncGRPOConfig` with GSPO's loss types, the paper's presets and R3 (for
+`trl_gspo.async_trainer.AsyncGSPOTrainer`). Apart from the trainer, so that reading a recipe loads no training code."""
+
+from __future__ import annotations
+
+import numbers
+from dataclasses import dataclass, field
+
+from trl.experimental.async_grpo import AsyncGRPOConfig
+
+from .config import GSPO_LOSS_TYPES, PAPER_EPSILON_HIGH, PAPER_EPSILON_LOW
+
+# "grpo": TRL's asynchronous loss as it ships (token-level clipped ratio, mean over the micro-batch's tokens).
+ASYNC_LOSS_TYPES = (*GSPO_LOSS_TYPES, "grpo")
+
+
+@dataclass
+class AsyncGSPOConfig(AsyncGRPOConfig):
+    """`AsyncGRPOConfig` with GSPO's loss types. For `"gspo"` / `"gspo_token"`, fields left unset take the GSPO paper's
+    values (Section 5.1): `epsilon=3e-4`, `epsilon_high=4e-4`. TRL's asynchronous trainer has no KL term and no
+    reference model, so the paper's `beta=0` holds by construction. For `"grpo"` the defaults are TRL's (`0.2`)."""
+
+    loss_type: str = field(
+        default="gspo",
+        metadata={"help": "'gspo' (sequence ratio, GSPO paper Eq. 5/7), 'gspo_token' (Eq. 13-14), or 'grpo' (TRL's "
+                          "own asynchronous token-level loss)."},
+    )
+    epsilon: float | None = field(
+        default=None,
+        metadata={"help": "Lower clip range. Unset: 3e-4 for gspo types (GSPO paper), 0.2 for 'grpo' (TRL's)."},
+    )
+    epsilon_high: float | None = field(
+        default=None,
+        metadata={"help": "Upper clip range. Unset: 4e-4 for gspo types (GSPO paper); for 'grpo', same as epsilon."},
+    )
+    routing_replay: str = field(
+        default="none",
+        metadata={"help": "'none', or 'sampler' (R3): force, in the training forward, the experts each token used "
+                          "where the vLLM server sampled it. Needs a Mixture-of-Experts model and a server started with "
+                          "`trl-gspo vllm-serve`, which returns them (trl_gspo/async_routing.py)."},
+    )
+    delta: float | None = field(
+        default=None,
+        metadata={"help": "gspo types: cap on the unclipped sequence ratio for negative advantages (two-sided / dual "
+                          "clip, > 1 + epsilon_high): a stale sample the policy has made much more likely can no "
+                          "longer push an unbounded negative update. None (default): the paper's objective."},
+    )
+
+    def __post_init__(self):
+        if not isinstance(self.loss_type, str) or self.loss_type not in ASYNC_LOSS_TYPES:
+            raise ValueError(f"`loss_type`: {self.loss_type!r} is not one AsyncGSPOTrainer runs. Fix: use one of "
+                             f"{', '.join(repr(t) for t in ASYNC_LOSS_TYPES)} (TRL's asynchronous trainer implements "
+                             "no other loss type).")
+        if self.routing_replay not in ("none", "sampler"):
+            raise ValueError(f"`routing_replay`: {self.routing_replay!r} is not one AsyncGSPOTrainer runs. Fix: 'none' "
+                             "or 'sampler' (R3; the asynchronous trainer has no old-policy pass for 'old' to record).")
+        for name in ("epsilon", "epsilon_high", "delta"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, numbers.Real) or isinstance(value, bool)):
+                raise ValueError(f"`{name}` must be a number, got {value!r}. Fix: e.g. `{name}=3e-4`.")
+        is_gspo = self.loss_type in GSPO_LOSS_TYPES
+        unset = [name for name in ("epsilon", "epsilon_high") if getattr(self, name) is None]
+        if self.epsilon is None:
+            self.epsilon = PAPER_EPSILON_LOW if is_gspo else 0.2
+        if self.epsilon_high is None and is_gspo:
+            self.epsilon_high = PAPER_EPSILON_HIGH
+        self.paper_presets = {name: getattr(self, name) for name in unset} if is_gspo else {}
+        high = self.epsilon_high if self.epsilon_high is not None else self.epsilon
+        if not 0 < self.epsilon < 1 or high <= 0:
+            raise ValueError(f"`epsilon` / `epsilon_high`: the clip band [1 - {self.epsilon}, 1 + {high}] is empty or "
+                             "reaches 0. Fix: 0 < epsilon < 1 and epsilon_high > 0 (GSPO paper: 3e-4 / 4e-4).")
+        if self.delta is not None:
+            if not is_gspo:
+                raise ValueError("`delta`: TRL's asynchronous 'grpo' loss has no two-sided clip. Fix: leave delta "
+                                 "unset, or use loss_type='gspo'.")
+            if self.delta <= 1 + high:
+                raise ValueError(f"`delta` ({self.delta}) must exceed 1 + epsilon_high ({1 + high}). Fix: e.g. 1.5.")
+        if self.max_staleness < 0:
+            raise ValueError(f"`max_staleness` ({self.max_staleness}) must be >= 0. Fix: 0 trains on-policy samples "
+                             "only; TRL's default is 4.")
+        super().__post_init__()

@@ -1,0 +1,139 @@
+"""R3 (rollout routing replay) in TRL's asynchronous trainer: the experts each token used where the vLLM server sampled
+it, carried from the server through TRL's rollout worker into the packed rows, and forced in the training forward.
+
+The server returns them when started by `trl-gspo vllm-serve` (vLLM's `--enable-return-routed-experts`): each
+`/v1/completions` choice then carries `routed_experts`, `[prompt + completion - 1, layers, top_k]`, one row per token
+that has a successor. TRL's rollout worker reads tokens and log-probs from that answer and drops the routes; here:
+
+1. `RoutedRolloutLoop` (TRL's rollout loop, in its child process) keeps each turn's routes (`_post`, per
+   conversation through a context variable: every conversation is its own asyncio task) and stitches a training
+   sequence's routes from its turns (`stitch_turn_routes`: each position takes the route of the first turn whose
+   tokens up to it are the sequence's, so a turn's prompt keeps the routes first computed for it, and tool results
+   take the next turn's prefill), then queues `RoutedRolloutSample`s.
+2. `packed_routes` lays a packed row's routes out in TRL's packed order (a position shared by several samples of
+   the row takes the first sample's route: for a shared prompt, the server's prefix cache returns one computation).
+3. `AsyncGSPOTrainer` forces them with `trl_gspo.routing.RoutingReplay` around each micro-batch's forward and
+   backward (`routing_replay="sampler"`).
+"""
+
+from __future__ import annotations
+
+import contextvars
+from dataclasses import dataclass, fields
+
+import numpy as np
+import torch
+from trl.experimental.async_grpo.async_rollout_worker import RolloutSample, _AsyncRolloutLoop
+
+from .sampling.vllm import decode_server_routes
+
+# The current conversation's turns as the server answered them: (prompt ids, output ids, routes or None).
+_TURNS: contextvars.ContextVar[list | None] = contextvars.ContextVar("trl_gspo_async_turns", default=None)
+
+
+@dataclass(slots=True)
+class RoutedRolloutSample(RolloutSample):
+    """TRL's `RolloutSample` with the sampler's routes of its `input_ids`, `[len(input_ids) - 1, layers, top_k]`
+    (None: the server returned none)."""
+
+    routes: np.ndarray | None = None
+
+
+def _common_prefix(a: list[int], b: list[int]) -> int:
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+def stitch_turn_routes(input_ids: list[int], turns: list[tuple[list[int], list[int], np.ndarray | None]]):
+    """Routes of a training sequence `input_ids` from its conversation's turns `(prompt ids, output ids, routes)`,
+    `routes[p]` the route of position p (`[len(prompt) + len(output) - 1, layers, top_k]`, vLLM's layout). Position p
+    takes the route of the first turn whose tokens up to p equal the sequence's: where that turn computed the token
+    (prompt: its prefill; its sampled tokens: its decode). Returns `[len(input_ids) - 1, layers, top_k]`, or None
+    when some position has no route (a turn without routes, or a sequence no turn covers)."""
+    need = len(input_ids) - 1
+    if need <= 0:
+        return None
+    stitched, filled = None, 0
+    for prompt, output, routes in turns:
+        if routes is None:
+            return None
+        tokens = list(prompt) + list(output)
+        if routes.shape[0] != len(tokens) - 1:
+            raise ValueError(f"routing_replay='sampler': the server's routed_experts has {routes.shape[0]} rows for "
+                             f"{len(tokens)} tokens ({len(tokens) - 1} expected). Cause: a server whose routes do not "
+                             "belong to its answer's tokens (a vLLM outside trl-gspo's tested range).")
+        # Position p's route depends on tokens 0..p; it is valid for the sequence where those match.
+        reach = min(_common_prefix(tokens, input_ids), routes.shape[0], need)
+        if reach > filled:
+            if stitched is None:
+                stitched = np.empty((need, *routes.shape[1:]), dtype=routes.dtype)
+            stitched[filled:reach] = routes[filled:reach]
+            filled = reach
+    return stitched if filled == need else None
+
+
+class RoutedRolloutLoop(_AsyncRolloutLoop):
+    """TRL's rollout loop (the rollout worker's child process) that keeps the server's routes with each sample."""
+
+    async def _post(self, path, payload, timeout, max_retries=3):
+        content = await super()._post(path, payload, timeout, max_retries)
+        turns = _TURNS.get()
+        if turns is not None and path == "/v1/completions":
+            choice = content["choices"][0]
+            turns.append((payload["prompt"], choice["token_ids"], decode_server_routes(choice.get("routed_experts"))))
+        return content
+
+    async def _generate_one(self, *args, **kwargs):
+        token = _TURNS.set([])
+        try:
+            result = await super()._generate_one(*args, **kwargs)
+            turns = _TURNS.get()
+        finally:
+            _TURNS.reset(token)
+        for sequence in result[2]:  # the conversation's training sequences (TrainingSequence)
+            sequence.routes = stitch_turn_routes(sequence.input_ids, turns)
+        return result
+
+    async def _score_group(self, group):
+        samples = await super()._score_group(group)
+        sequences = [sequence for conversation in group.completions_sequences for sequence in conversation]
+        if len(sequences) != len(samples):
+            raise RuntimeError(f"TRL's rollout worker scored {len(samples)} samples from {len(sequences)} training "
+                               "sequences; routing_replay='sampler' pairs them in order.")
+        names = [f.name for f in fields(RolloutSample)]
+        return [RoutedRolloutSample(**{name: getattr(sample, name) for name in names},
+                                    routes=getattr(sequence, "routes", None))
+                for sample, sequence in zip(samples, sequences)]
+
+
+def packed_routes(row, routes: list[np.ndarray | None], layers: int, top_k: int, dtype=torch.uint8):
+    """`(routes [N, layers, top_k], routed [N] bool)` of a TRL `TreeRow` in its packed order (`row.pack()`): position
+    n takes the route of the first of the row's samples whose token sits there (`routes[i]`: sample i's
+    `[len - 1, layers, top_k]`, or None); `routed` is False where no sample has one (a sample's last token, or a
+    sample without routes), which keeps natural routing there."""
+    # The packed position of each trie node: TRL's own layout, read by packing the node ids as if they were tokens.
+    tokens, row.tokens = row.tokens, list(range(len(row.tokens)))
+    try:
+        order = row.pack()["input_ids"]
+    finally:
+        row.tokens = tokens
+    position = torch.empty(len(order), dtype=torch.long)
+    position[order] = torch.arange(len(order))
+    out = torch.zeros((len(order), layers, top_k), dtype=dtype)
+    routed = torch.zeros(len(order), dtype=torch.bool)
+    for nodes, sample_routes in zip(row.sample_nodes, routes):
+        if sample_routes is None:
+            continue
+        if tuple(sample_routes.shape) != (len(nodes) - 1, layers, top_k):
+            raise ValueError(f"routing_replay='sampler': a sample of {len(nodes)} tokens came with routes of shape "
+                             f"{tuple(sample_routes.shape)}; expected {(len(nodes) - 1, layers, top_k)} for this "
+                             "model. Cause: a server serving another model than the trainer's.")
+        where = position[torch.tensor(nodes[:-1], dtype=torch.long)]
+        fresh = ~routed[where]
+        out[where[fresh]] = torch.from_numpy(np.ascontiguousarray(sample_routes)).to(dtype)[fresh]
+        routed[where] = True
+    return out, routed
