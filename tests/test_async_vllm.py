@@ -176,20 +176,34 @@ def test_a_transfer_that_does_not_arrive_is_seen(async_server, tmp_path):
     assert [t["sent"] for t in result["transfers"]] == [True, False, False]
 
 
-@pytest.mark.parametrize("trainer, count_trained", [("trl", "trl"), ("gspo", "at_step")])
-def test_a_run_killed_after_a_checkpoint_resumes_from_it(async_server, tmp_path, trainer, count_trained):
+def test_r3_replays_the_routes_the_server_returned(async_server, tmp_path):
+    """`routing_replay="sampler"`: the server (`trl-gspo vllm-serve`, float32) returns each completion's routes, TRL's
+    rollout worker keeps them (trl_gspo/async_routing.py), the training forward forces them. Step 1 trains samples
+    of the weights it holds (staleness 0): the server's routes are the trainer's own natural ones, float32 on both
+    sides, so replay overrides (almost) nothing; every forwarded token but each sample's last has a route."""
+    result = _run(tmp_path, async_server, trainer="gspo", loss_type="gspo", routing_replay="sampler", max_steps=2,
+                  max_staleness=0)
+    steps = _trained_steps(result)
+    print("R3: replay drift per step", [h["routing/replay_drift"] for h in steps],
+          "unrouted token share", [h["routing/unrouted_token_fraction"] for h in steps])
+    assert len(steps) == 2 and all(h["routing/replay_drift"] is not None for h in steps)
+    assert steps[0]["routing/replay_drift"] < 0.02
+    assert all(0 < h["routing/unrouted_token_fraction"] < 0.25 for h in steps)  # each sample's last token
+
+
+@pytest.mark.parametrize("trainer", list(TRAINERS))
+def test_a_run_killed_after_a_checkpoint_resumes_from_it(async_server, tmp_path, trainer):
     """SIGKILL to the trainer and its rollout worker after the checkpoint of step 2 (5 steps, saved every 2); the
     resumed run (same server) restores step 2, the model version and the prompt position of `rollout_state.json`,
     sends the checkpoint's weights in its cold sync and trains steps 3-5.
 
-    What it loses: TRL 1.16 saves as its prompt position the first prompt group its collator has not packed, and the
+    What TRL 1.16 loses: it saves as its prompt position the first prompt group its collator has not packed, and the
     dataloader packs one micro-batch ahead of training: at the checkpoint of step 2, step 3's groups count as trained
-    although they are not, and the resumed run starts after them. `count_trained="trl"` shows it on TRL's
-    AsyncGRPOTrainer (measured: the 2 prompts of step 3's micro-batch are never trained by either run;
-    AsyncGSPOTrainer counts as TRL does). `"at_step"` (tests/scripts/async_run.py's `CollatedGroups`: a group counts
-    once its step runs), here on AsyncGSPOTrainer, saves the position of what was trained, and every prompt before
-    the last one the resumed run reached is trained by one run or the other."""
-    options = dict(max_steps=5, save_steps=2, max_staleness=1, count_trained=count_trained, **TRAINERS[trainer])
+    although they are not, and the resumed run starts after them (measured on TRL's AsyncGRPOTrainer: the 2 prompts
+    of step 3's micro-batch are never trained by either run). AsyncGSPOTrainer counts a group once its micro-batch is
+    trained (`_PackedGroups`): it saves the position of what was trained, and every prompt before the last one the
+    resumed run reached is trained by one run or the other."""
+    options = dict(max_steps=5, save_steps=2, max_staleness=1, **TRAINERS[trainer])
     killed = _run_and_kill_after_save(tmp_path, async_server, 2, **options)
     state = json.loads((tmp_path / "checkpoint-2" / "rollout_state.json").read_text())
     trained = {group for step in killed if step["step"] <= 2 for record in step["trained"]
@@ -197,7 +211,7 @@ def test_a_run_killed_after_a_checkpoint_resumes_from_it(async_server, tmp_path,
     collated = {group for line in (tmp_path / "collated.jsonl").read_text().splitlines()[:3]
                 for group in json.loads(line)}  # steps 1-2 and the one packed ahead
     assert state["model_version"] == 3  # the cold sync and one transfer per step
-    counted = trained | collated if count_trained == "trl" else trained
+    counted = trained | collated if trainer == "trl" else trained
     assert state["prompt_index"] == next(g for g in range(100) if g not in counted)
     lost = set(range(state["prompt_index"])) - trained
 
@@ -210,11 +224,11 @@ def test_a_run_killed_after_a_checkpoint_resumes_from_it(async_server, tmp_path,
     assert cold["step"] == 2 and cold["max_gap"] < SAME_WEIGHTS and cold["server_from_initial"] > MOVED
     after = {prompt for step in resumed["trained"] for _, _, prompt in step["samples"]}
     assert min(after) >= state["prompt_index"]
-    print(f"{count_trained}: checkpoint-2 {state}; trained before it {sorted(trained)}, packed {sorted(collated)}; "
+    print(f"{trainer}: checkpoint-2 {state}; trained before it {sorted(trained)}, packed {sorted(collated)}; "
           f"resumed trained prompts {sorted(after)}; never trained: {sorted(lost)}; "
           f"resumed run {resumed['wall_s']:.0f} s")
-    if count_trained == "trl":  # packed ahead, counted, never trained: not by the killed run, not by the resumed one
-        assert lost <= collated - trained and not lost & after
+    if trainer == "trl":  # packed ahead, counted, never trained: not by the killed run, not by the resumed one
+        assert lost and lost <= collated - trained and not lost & after
     else:
         groups = {group for step in resumed["trained"] for group, _, _ in step["samples"]}
         reached = state["prompt_index"] + next(g for g in range(len(groups) + 1) if g not in groups)

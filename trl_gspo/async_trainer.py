@@ -23,6 +23,7 @@ Everything else is TRL's: the rollout worker, staleness dropping, packing, weigh
 from __future__ import annotations
 
 import time
+from collections import deque
 from dataclasses import dataclass
 
 import torch
@@ -58,6 +59,19 @@ class _RecordingQueue:
 
     def qsize(self):
         return self._queue.qsize()
+
+
+class _PackedGroups:
+    """Where TRL's packer reports the prompt groups of each micro-batch it packs (TRL: the trainer's set of trained
+    groups), kept in order until the micro-batch is trained. The data loader packs one micro-batch ahead of training,
+    and a checkpoint saves as its prompt position the first group not in that set: counted when packed, a resumed
+    run never trains the micro-batch packed ahead (measured: tests/test_async_vllm.py)."""
+
+    def __init__(self):
+        self.pending = deque()
+
+    def update(self, groups):
+        self.pending.append(set(groups))
 
 
 class _VersionedRolloutQueueDataset(RolloutQueueDataset):
@@ -115,6 +129,7 @@ class AsyncGSPOTrainer(AsyncGRPOTrainer):
             raise TypeError(f"`args` must be an AsyncGSPOConfig (got {type(args).__name__}). Fix: build it with "
                             "trl_gspo.AsyncGSPOConfig(...), which takes every AsyncGRPOConfig field.")
         self.loss_type = args.loss_type
+        self._packed_groups = _PackedGroups()
         super().__init__(model, reward_funcs, args, *pargs, **kwargs)
         self._routing = None
         if args.routing_replay == "sampler":
@@ -142,7 +157,7 @@ class AsyncGSPOTrainer(AsyncGRPOTrainer):
             dataset = _EmptyIterableDataset()
         route_shape = (len(self._routing.routers), self._routing.top_k) if self._routing is not None else None
         collator = _VersionedRolloutCollator(self.processing_class.pad_token_id, processes,
-                                             groups_trained=self._trained_groups, metrics=self._metrics["train"],
+                                             groups_trained=self._packed_groups, metrics=self._metrics["train"],
                                              token_budget=max(self.args.token_budget or 0, 0), route_shape=route_shape,
                                              route_dtype=self._routing.index_dtype if self._routing else torch.uint8)
         return self.accelerator.prepare(DataLoader(dataset, batch_size=1, collate_fn=collator, num_workers=0))
@@ -161,7 +176,10 @@ class AsyncGSPOTrainer(AsyncGRPOTrainer):
 
     def training_step(self, model, inputs, num_items_in_batch=None):
         """TRL's step; with routing_replay="sampler" inside one replay block (forward and backward: gradient
-        checkpointing re-runs the routers in backward), forcing the sampler's routes at this rank's real positions."""
+        checkpointing re-runs the routers in backward), forcing the sampler's routes at this rank's real positions.
+        The micro-batch's prompt groups count as trained from here (`_PackedGroups`)."""
+        if self._packed_groups.pending:  # main process: it packs
+            self._trained_groups.update(self._packed_groups.pending.popleft())
         if self._routing is None:
             return super().training_step(model, inputs, num_items_in_batch)
         real = inputs["attention_mask"].bool()

@@ -22,8 +22,6 @@ Options (JSON), all optional but `server` and `model_dir`:
                      float32) and with the initial weights
     step_sleep       seconds to sleep at the end of every step (a slow trainer: the generator runs ahead)
     resume           resume from the newest checkpoint in OUT_DIR
-    count_trained    "trl" (TRL's own: a prompt group counts as trained once the collator has packed it) or
-                     "at_step" (once the step that trains it runs; see `CollatedGroups`)
     any other key    an AsyncGRPOConfig field (max_steps, learning_rate, max_staleness, save_steps, ...)
 
 `queue_maxsize` is 16 here (TRL: 1024): at the end of training TRL stops its rollout worker, whose child process
@@ -92,23 +90,6 @@ class VersionTap:
 
     def __getattr__(self, name):
         return getattr(self._queue, name)
-
-
-class CollatedGroups:
-    """In place of the trainer's set of trained prompt groups (`_trained_groups`) inside TRL's collator: the groups of
-    each micro-batch it packs wait here, in order, until `training_step` trains that micro-batch.
-
-    Why: TRL's checkpoint saves as its prompt position the first group not in `_trained_groups` (`rollout_state.json`,
-    where a resumed rollout worker starts), and its collator adds a micro-batch's groups to that set when it packs
-    it. The dataloader accelerate wraps fetches (and so packs) one micro-batch ahead of training: at a checkpoint
-    the next step's groups already count as trained, and a run resumed from it never trains them (measured: the
-    prompts of that micro-batch). Counting a group when its step runs saves the position of what was trained."""
-
-    def __init__(self):
-        self.pending = collections.deque()
-
-    def update(self, groups):
-        self.pending.append(set(groups))
 
 
 def install_taps(pending, collated_file):
@@ -203,9 +184,6 @@ def main():
     probe_on = options.pop("probe", False)
     step_sleep = options.pop("step_sleep", 0.0)
     resume = options.pop("resume", False)
-    count_trained = options.pop("count_trained", "trl")
-    if count_trained not in ("trl", "at_step"):
-        raise ValueError(f"count_trained: {count_trained!r}, not 'trl' or 'at_step'")
     if trainer_name == "gspo":
         from trl_gspo import AsyncGSPOConfig as config_cls
         from trl_gspo import AsyncGSPOTrainer as trainer_cls
@@ -238,18 +216,7 @@ def main():
         return prompt_index.get(text, text)
 
     class Trainer(trainer_cls):
-        def get_train_dataloader(self):
-            if count_trained == "trl":
-                return super().get_train_dataloader()
-            trained, self._trained_groups = self._trained_groups, CollatedGroups()  # what the collator receives
-            try:
-                return super().get_train_dataloader()
-            finally:
-                self._collated, self._trained_groups = self._trained_groups, trained
-
         def training_step(self, model, inputs, num_items_in_batch=None):
-            if count_trained == "at_step" and self._collated.pending:
-                self._trained_groups.update(self._collated.pending.popleft())
             samples = pending.popleft()
             trained.append({"version": self.model_version, "step": self.state.global_step + 1,
                             "samples": [(s["group_id"], s["model_version"], prompt_of(s)) for s in samples],
