@@ -8,12 +8,13 @@ Prints `RESULT {json}`.
 
 import argparse
 import json
+import os
 import queue
 import sys
 from pathlib import Path
 
 import numpy as np
-import torch
+
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: the stand-ins
 import async_stand_ins  # noqa: E402
@@ -94,15 +95,14 @@ def main():
     parser.add_argument("--routing-replay", action="store_true")
     parser.add_argument("--steps", type=int, default=3)
     options = parser.parse_args()
-    from accelerate import PartialState
-
-    processes = PartialState().num_processes
+    processes = int(os.environ.get("WORLD_SIZE", "1"))  # set by accelerate launch (before any process group exists)
     tokenizer = AutoTokenizer.from_pretrained(options.model_dir)
     tokenizer.padding_side = "left"
     args = AsyncGSPOConfig(output_dir=options.out_dir, use_cpu=True, report_to="none", max_steps=options.steps,
                            per_device_train_batch_size=SAMPLES_PER_STEP // processes, num_generations=4,
                            token_budget=0, logging_steps=1, save_strategy="no", disable_tqdm=True, seed=0,
                            learning_rate=1e-3, loss_type=options.loss_type, max_staleness=8,
+                           router_aux_loss_coef=0.0,  # the load-balancing loss is per packed row: rows differ
                            routing_replay="sampler" if options.routing_replay else "none")
     trainer = AsyncGSPOTrainer(model=options.model_dir, args=args,
                                train_dataset=Dataset.from_dict({"prompt": ["x"] * 4}), processing_class=tokenizer,
@@ -114,7 +114,7 @@ def main():
     if trainer.accelerator.is_main_process:
         keep = ("loss", "grad_norm", "clip_ratio/region_mean", "gspo/ratio_mean", "gspo/clipped_token_fraction",
                 "routing/replay_drift", "ratio", "entropy")
-        print("RESULT " + json.dumps({"world_size": processes, "checksum": checksum,
+        print("RESULT " + json.dumps({"world_size": trainer.accelerator.num_processes, "checksum": checksum,
                                       "logs": [{k: h[k] for k in keep if k in h} for h in logs]}), flush=True)
 
 
