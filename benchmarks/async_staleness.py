@@ -22,6 +22,7 @@ Per arm (loss x staleness x sampler dtype), over seeds:
 
     python benchmarks/async_staleness.py             # 3 seeds, 150 steps, staleness 0 1 2 4: ~25 min on 2 cores
     python benchmarks/async_staleness.py --quick     # 1 seed, 30 steps, staleness 0 and 4
+    python benchmarks/async_staleness.py --summarize runs.json more_runs.json   # one table over earlier --out files
 
 Last line, exactly: `async_staleness: <arm> <reward last> ...`.
 """
@@ -193,6 +194,7 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="1 seed, 30 steps, staleness 0 and 4")
     parser.add_argument("--seeds", type=int, default=3)
+    parser.add_argument("--first-seed", type=int, default=0, help="seeds first-seed .. first-seed + seeds - 1")
     parser.add_argument("--steps", type=int, default=150)
     parser.add_argument("--staleness", default="0,1,2,4")
     parser.add_argument("--losses", default="gspo,gspo_delta,grpo")
@@ -201,10 +203,16 @@ def main():
     parser.add_argument("--sft-steps", type=int, default=600, help="cold-start steps (the quickstart's 600)")
     parser.add_argument("--cache", default=os.path.join(tempfile.gettempdir(), "trl_gspo_bench"))
     parser.add_argument("--out", help="write every run's per-step figures here (JSON)")
+    parser.add_argument("--summarize", nargs="+", metavar="RUNS_JSON",
+                        help="print the table over the runs of earlier --out files (their seeds together), run nothing")
     parser.add_argument("--one", help=argparse.SUPPRESS)  # internal: one run in this process
     options = parser.parse_args()
     if options.one:
         print("RESULT " + json.dumps(one_run(json.loads(options.one))), flush=True)
+        return
+    if options.summarize:
+        runs = [(entry.pop("spec"), entry) for path in options.summarize for entry in json.loads(Path(path).read_text())]
+        print_table(runs, ", ".join(sorted({f"{spec['steps']} steps" for spec, _ in runs})))
         return
     seeds, steps, stalenesses = ((1, 30, [0, 4]) if options.quick else
                                  (options.seeds, options.steps, [int(k) for k in options.staleness.split(",")]))
@@ -218,7 +226,7 @@ def main():
                                    options.sft_steps)
     specs = [dict(loss=loss, staleness=k, dtype=dtype, seed=seed, steps=steps, model_dir=str(model_dir))
              for loss in options.losses.split(",") for dtype in options.dtypes.split(",") for k in stalenesses
-             for seed in range(seeds)]
+             for seed in range(options.first_seed, options.first_seed + seeds)]
 
     def launch(spec):
         with tempfile.TemporaryDirectory() as output_dir:
@@ -239,19 +247,26 @@ def main():
         runs = list(pool.map(launch, specs))
     if options.out:
         Path(options.out).write_text(json.dumps([{"spec": spec, **run} for spec, run in runs]))
+    print_table(runs, f"{steps} steps")
+
+
+def print_table(runs, what):
+    """The table over every run given (its seeds), one row per loss x sampler dtype x staleness."""
     arms = {}
-    for spec, run in runs:
+    for spec, run in sorted(runs, key=lambda r: (list(LOSSES).index(r[0]["loss"]), r[0]["dtype"] != "float32",
+                                                 r[0]["staleness"])):
         arms.setdefault((spec["loss"], spec["dtype"], spec["staleness"]), []).append(summarize(run))
 
     print(f"\n{'loss':<10} {'sampler':<8} {'k':>2} {'clipped seq':>11} {'clipped tok':>11} {'max|log s|':>10} "
-          f"{'reward first':>12} {'reward last':>16}   (means over {seeds} seeds, {steps} steps)")
+          f"{'reward first':>12} {'reward last':>16} seeds   (means, +- standard deviation over seeds; {what})")
     for (loss, dtype, k), summaries in arms.items():
         def mean(key):
             return statistics.fmean(s[key] for s in summaries)
         last = [s["reward_last"] for s in summaries]
         spread = f" +-{statistics.stdev(last):.3f}" if len(last) > 1 else ""
         print(f"{loss:<10} {dtype:<8} {k:>2} {mean('clipped_seq'):>11.3f} {mean('clipped_tok'):>11.3f} "
-              f"{mean('log_ratio_abs_max'):>10.2e} {mean('reward_first'):>12.3f} {mean('reward_last'):>10.3f}{spread}")
+              f"{mean('log_ratio_abs_max'):>10.2e} {mean('reward_first'):>12.3f} {mean('reward_last'):>10.3f}"
+              f"{spread:<7} {len(summaries):>4}")
     print("async_staleness: " + " ".join(
         f"{loss}:{dtype}:k{k} {statistics.fmean(s['reward_last'] for s in summaries):.3f}"
         for (loss, dtype, k), summaries in arms.items()))
