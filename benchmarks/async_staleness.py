@@ -1,6 +1,7 @@
 """GSPO under staleness, in miniature: what GSPO's narrow clip band (3e-4 / 4e-4) does when every sample is k weight
-versions old, as in asynchronous RL (`AsyncGSPOTrainer`), against TRL's asynchronous token-level loss (eps 0.2) and
-GSPO with a bound for negative advantages (`delta`, two-sided clip), with a float32 or a bfloat16 sampler.
+versions old, as in asynchronous RL (`AsyncGSPOTrainer`), against TRL's asynchronous token-level loss (eps 0.2),
+GSPO with a bound for negative advantages (`gspo_delta`: `delta=2`, two-sided clip) and GSPO with a band 10x wider
+(`gspo_wide`: 3e-3 / 4e-3), with a float32 or a bfloat16 sampler.
 
 Task: the quickstart's single-digit addition (exact-match reward) on its tiny Qwen3-MoE after the noisy SFT cold start
 (600 steps, 50% correct answers; built once and cached, as benchmarks/sampler_likelihoods.py builds it).
@@ -43,7 +44,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 LOSSES = {"gspo": dict(loss_type="gspo"), "gspo_delta": dict(loss_type="gspo", delta=2.0),
-          "grpo": dict(loss_type="grpo")}
+          "gspo_wide": dict(loss_type="gspo", epsilon=3e-3, epsilon_high=4e-3), "grpo": dict(loss_type="grpo")}
 PROMPTS, GROUP, MAX_NEW = 4, 8, 4
 
 

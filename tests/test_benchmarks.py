@@ -148,3 +148,17 @@ def test_sampler_likelihoods_compares_both_sources_of_pi_old(tmp_path):
                  "--sft-steps", "20", "--cache", tmp_path)
     assert re.fullmatch(r"outside_band_first_rollout: hf:trainer \d\.\d+ hf:sampler \d\.\d+", lines[-1]), lines[-1]
     assert any(line.startswith("hf: step time old_logps=sampler / old_logps=trainer") for line in lines)
+
+
+def test_async_staleness_trains_each_arm_and_summarizes_its_runs(tmp_path):
+    """Two arms at staleness 0 and 2 for a few steps (a 20-step cold start); then `--summarize` rebuilds the same
+    table from the runs file."""
+    runs = tmp_path / "runs.json"
+    lines = _run(BENCHMARKS / "async_staleness.py", "--losses", "gspo,grpo", "--dtypes", "float32", "--staleness",
+                 "0,2", "--seeds", "1", "--steps", "6", "--sft-steps", "20", "--cache", tmp_path, "--out", runs)
+    number = r"\d\.\d+"
+    assert re.fullmatch(rf"async_staleness: gspo:float32:k0 {number} gspo:float32:k2 {number} "
+                        rf"grpo:float32:k0 {number} grpo:float32:k2 {number}", lines[-1]), lines[-1]
+    gspo_k0, gspo_k2 = (line.split() for line in lines if line.startswith("gspo       float32"))
+    assert float(gspo_k0[3]) == 0.0 and float(gspo_k2[3]) > 0  # on-policy: nothing clipped; 2 versions old: clipped
+    assert _run(BENCHMARKS / "async_staleness.py", "--summarize", runs)[-1] == lines[-1]
