@@ -1,7 +1,8 @@
 """GSPO under staleness, in miniature: what GSPO's narrow clip band (3e-4 / 4e-4) does when every sample is k weight
 versions old, as in asynchronous RL (`AsyncGSPOTrainer`), against TRL's asynchronous token-level loss (eps 0.2),
 GSPO with a bound for negative advantages (`gspo_delta`: `delta=2`, two-sided clip) and GSPO with a band 10x wider
-(`gspo_wide`: 3e-3 / 4e-3), with a float32 or a bfloat16 sampler.
+(`gspo_wide`: 3e-3 / 4e-3), and GSPO with R3 (`gspo_r3`: the sampler's routes, recorded in its own forward over
+the sampled tokens, forced in the training forward), with a float32 or a bfloat16 sampler.
 
 Task: the quickstart's single-digit addition (exact-match reward) on its tiny Qwen3-MoE after the noisy SFT cold start
 (600 steps, 50% correct answers; built once and cached, as benchmarks/sampler_likelihoods.py builds it).
@@ -18,6 +19,8 @@ Per arm (loss x staleness x sampler dtype), over seeds:
 - `clipped seq`: share of completions whose ratio was clipped (gspo: sequence ratio; grpo: any token clipped);
 - `clipped tok`: share of completion tokens whose objective was the clipped term;
 - `max|log s|`: the largest |sequence log-ratio| of a step (current policy vs the sampler), mean over steps;
+- `R3 drift`: with R3, the share of (token, layer) routes whose natural top-k in the training forward differs from
+  the sampler's (`routing/replay_drift`), mean over steps;
 - `reward first / last`: mean reward over the first and the last 20% of steps (the sampler's samples: a stale
   sampler's reward lags the policy by k steps).
 
@@ -44,7 +47,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 LOSSES = {"gspo": dict(loss_type="gspo"), "gspo_delta": dict(loss_type="gspo", delta=2.0),
-          "gspo_wide": dict(loss_type="gspo", epsilon=3e-3, epsilon_high=4e-3), "grpo": dict(loss_type="grpo")}
+          "gspo_wide": dict(loss_type="gspo", epsilon=3e-3, epsilon_high=4e-3),
+          "gspo_r3": dict(loss_type="gspo", routing_replay="sampler"), "grpo": dict(loss_type="grpo")}
 PROMPTS, GROUP, MAX_NEW = 4, 8, 4
 
 
@@ -103,6 +107,7 @@ def one_run(spec: dict) -> dict:
     from trl_gspo import AsyncGSPOConfig, AsyncGSPOTrainer
     from trl_gspo.async_trainer import _VersionedRolloutCollator
     from trl_gspo.quickstart.addition import exact_match_reward, make_rl_dataset
+    from trl_gspo.routing.replay import RoutingReplay
 
     torch.set_num_threads(1)
     torch.manual_seed(spec["seed"])
@@ -117,8 +122,11 @@ def one_run(spec: dict) -> dict:
     model = trainer.model
     trainer.create_optimizer_and_scheduler(num_training_steps=spec["steps"])
     trainer.current_gradient_accumulation_steps = 1
-    collator = _VersionedRolloutCollator(pad_token_id=tokenizer.pad_token_id, num_processes=1)
+    routing = trainer._routing  # RoutingReplay on the policy with routing_replay="sampler", else None
+    collator = _VersionedRolloutCollator(pad_token_id=tokenizer.pad_token_id, num_processes=1,
+                                         route_shape=(len(routing.routers), routing.top_k) if routing else None)
     sampler = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).eval()
+    sampler_routes = RoutingReplay(sampler) if routing else None
     versions = deque([{k: v.detach().clone() for k, v in model.state_dict().items()}], maxlen=staleness + 1)
     data = make_rl_dataset(spec["steps"] * PROMPTS, seed=spec["seed"])
     steps = []
@@ -132,7 +140,11 @@ def one_run(spec: dict) -> dict:
                 out = sampler.generate(torch.tensor([prompt_ids] * GROUP), do_sample=True, temperature=1.0,
                                        top_k=0, top_p=1.0, max_new_tokens=MAX_NEW, pad_token_id=tokenizer.pad_token_id,
                                        eos_token_id=tokenizer.eos_token_id)
-                logits = sampler(out).logits.float()
+                if sampler_routes is None:
+                    logits = sampler(out).logits.float()
+                else:  # the sampler's own routes for the tokens it sampled (R3)
+                    with sampler_routes.record() as recording:
+                        logits = sampler(out).logits.float()
             logps = logits[:, :-1].log_softmax(-1).gather(-1, out[:, 1:, None])[..., 0]
             texts, completions = [], []
             for row in range(GROUP):
@@ -151,15 +163,15 @@ def one_run(spec: dict) -> dict:
                                 "completion_mask": np.array([0] * len(prompt_ids) + [1] * n),
                                 "old_log_probs": np.array([0.0] * len(prompt_ids) + sampled, dtype=np.float32),
                                 "advantage": float(advantages[row]), "group_id": group, "metrics": {},
-                                "model_version": step + 1 - len(versions)})
+                                "model_version": step + 1 - len(versions),
+                                "routes": (recording.indices[row, :len(prompt_ids) + n - 1].numpy()
+                                           if sampler_routes is not None else None)})
         row = TreeRow()
         for sample in samples:
             row.add(sample)
         batch = collator([[row]])
         trainer._policy_version = step
-        model.train()
-        loss = trainer.compute_loss(model, batch)
-        loss.backward()
+        loss = trainer.training_step(model, batch)  # the loss and its backward (inside R3's replay block)
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         trainer.optimizer.step()
         trainer.lr_scheduler.step()
@@ -173,8 +185,10 @@ def one_run(spec: dict) -> dict:
         else:
             clipped_seq, clipped_tok = logged["clip_ratio/region_mean"], logged["gspo/clipped_token_fraction"]
             log_ratio = logged["gspo/log_ratio_abs_max"]
+        drift = logged.get("routing/replay_drift")
         steps.append({"reward": statistics.fmean(rewards), "clipped_seq": clipped_seq, "clipped_tok": clipped_tok,
-                      "log_ratio_abs_max": log_ratio, "loss": float(loss)})
+                      "log_ratio_abs_max": log_ratio, "loss": float(loss),
+                      "replay_drift": drift[0] / drift[1] if drift else float("nan")})
     return {"steps": steps}
 
 
@@ -183,12 +197,13 @@ def summarize(run: dict) -> dict:
     fifth = max(len(steps) // 5, 1)
 
     def mean(key, part):
-        values = [s[key] for s in part if s[key] == s[key]]
+        values = [s.get(key, float("nan")) for s in part]
+        values = [v for v in values if v == v]
         return statistics.fmean(values) if values else float("nan")
 
     return {"reward_first": mean("reward", steps[:fifth]), "reward_last": mean("reward", steps[-fifth:]),
             "clipped_seq": mean("clipped_seq", steps), "clipped_tok": mean("clipped_tok", steps),
-            "log_ratio_abs_max": mean("log_ratio_abs_max", steps)}
+            "log_ratio_abs_max": mean("log_ratio_abs_max", steps), "replay_drift": mean("replay_drift", steps)}
 
 
 def main():
@@ -259,14 +274,16 @@ def print_table(runs, what):
         arms.setdefault((spec["loss"], spec["dtype"], spec["staleness"]), []).append(summarize(run))
 
     print(f"\n{'loss':<10} {'sampler':<8} {'k':>2} {'clipped seq':>11} {'clipped tok':>11} {'max|log s|':>10} "
-          f"{'reward first':>12} {'reward last':>16} seeds   (means, +- standard deviation over seeds; {what})")
+          f"{'R3 drift':>8} {'reward first':>12} {'reward last':>16} seeds   (means, +- standard deviation over "
+          f"seeds; {what})")
     for (loss, dtype, k), summaries in arms.items():
         def mean(key):
             return statistics.fmean(s[key] for s in summaries)
         last = [s["reward_last"] for s in summaries]
         spread = f" +-{statistics.stdev(last):.3f}" if len(last) > 1 else ""
         print(f"{loss:<10} {dtype:<8} {k:>2} {mean('clipped_seq'):>11.3f} {mean('clipped_tok'):>11.3f} "
-              f"{mean('log_ratio_abs_max'):>10.2e} {mean('reward_first'):>12.3f} {mean('reward_last'):>10.3f}"
+              f"{mean('log_ratio_abs_max'):>10.2e} {mean('replay_drift'):>8.3f} {mean('reward_first'):>12.3f} "
+              f"{mean('reward_last'):>10.3f}"
               f"{spread:<7} {len(summaries):>4}")
     print("async_staleness: " + " ".join(
         f"{loss}:{dtype}:k{k} {statistics.fmean(s['reward_last'] for s in summaries):.3f}"
