@@ -11,8 +11,8 @@ rows, where one row holds many completions told apart by `segment_id`:
 so tool results and other context (TRL's `completion_mask` 0) never enter `|y_i|`. The objective is a plain mean over
 the completions of a micro-batch (every rank's), as the synchronous `GSPOTrainer` takes it over its micro-batch. The
 math is `trl_gspo.losses.gspo_packed_loss`; this module only wires it into TRL and logs the same `gspo/*` metrics as
-`GSPOTrainer`, plus the share of completions whose ratio was clipped by sample age (weight versions behind when the
-trainer read it): `gspo/clipped_sequence_fraction/age_K`. `loss_type="grpo"` is TRL's own loss, untouched.
+`GSPOTrainer`, plus the share of completions whose ratio was clipped by sample age (weight versions behind the
+policy when trained): `gspo/clipped_sequence_fraction/age_K`. `loss_type="grpo"` is TRL's own loss, untouched.
 
 `routing_replay="sampler"` (R3) forces, in the training forward, the experts each token used where the server
 sampled it (trl_gspo/async_routing.py).
@@ -31,10 +31,10 @@ from accelerate.utils import broadcast_object_list
 from torch.utils.data import DataLoader
 from trl.experimental.async_grpo import AsyncGRPOTrainer
 from trl.experimental.async_grpo.async_grpo_trainer import (
+    AsyncRolloutWorker,
     DataCollatorForRollout,
     FixedCountBatcher,
     RolloutQueueDataset,
-    AsyncRolloutWorker,
     TokenBudgetBatcher,
     _EmptyIterableDataset,
 )
@@ -42,10 +42,11 @@ from trl.trainer.utils import pad
 
 from . import metrics as gspo_metrics
 from .async_config import AsyncGSPOConfig
-from .config import GSPO_LOSS_TYPES
 from .async_routing import RoutedRolloutLoop, packed_routes
+from .config import GSPO_LOSS_TYPES
 from .losses import gspo_packed_loss, unpack_segments
 from .routing.replay import RoutingReplay
+
 
 class _RecordingQueue:
     """The rollout queue, remembering the last sample read from it (TRL's reader keeps only some of its fields)."""
@@ -130,6 +131,7 @@ class AsyncGSPOTrainer(AsyncGRPOTrainer):
                             "trl_gspo.AsyncGSPOConfig(...), which takes every AsyncGRPOConfig field.")
         self.loss_type = args.loss_type
         self._packed_groups = _PackedGroups()
+        self._policy_version = 0  # the weight version the policy holds, on every rank (`_sync_weight`)
         super().__init__(model, reward_funcs, args, *pargs, **kwargs)
         self._routing = None
         if args.routing_replay == "sampler":
@@ -138,7 +140,8 @@ class AsyncGSPOTrainer(AsyncGRPOTrainer):
                 self.rollout_worker._loop_cls = RoutedRolloutLoop
 
     def get_train_dataloader(self) -> DataLoader:
-        """TRL's pipeline (queue reader -> planner -> packer) with the reader and packer that keep sample ages."""
+        """TRL's pipeline (queue reader -> planner -> packer) with a reader and a packer that keep each sample's weight
+        version (and R3's routes)."""
         processes = self.accelerator.num_processes
         if self.accelerator.is_main_process:
             reader = _VersionedRolloutQueueDataset(
