@@ -52,46 +52,6 @@ LOSSES = {"gspo": dict(loss_type="gspo"), "gspo_delta": dict(loss_type="gspo", d
 PROMPTS, GROUP, MAX_NEW = 4, 8, 4
 
 
-class _QueueWorker:
-    """No rollout worker: the benchmark samples itself (TRL's `RolloutWorkerProtocol`, idle)."""
-
-    def __init__(self):
-        import queue
-
-        self.rollout_buffer, self.metrics_queue = queue.Queue(), queue.Queue()
-
-    def start(self):
-        pass
-
-    def stop(self):
-        pass
-
-    def update_model_version(self, version):
-        pass
-
-    def check_health(self, stale_after_s):
-        pass
-
-
-class _NoWeightTransfer:
-    """No server: the sampler is a copy of the policy k steps old (TRL's `WeightTransferProtocol`, idle)."""
-
-    def init_weight_transfer(self):
-        pass
-
-    def pause(self):
-        pass
-
-    def send_weights(self, weights):
-        pass
-
-    def resume(self):
-        pass
-
-    def destroy(self):
-        pass
-
-
 def one_run(spec: dict) -> dict:
     """One run in this process; returns its per-step figures."""
     import numpy as np
@@ -100,6 +60,7 @@ def one_run(spec: dict) -> dict:
 
     sys.path.insert(0, str(ROOT / "tests"))
     import async_stand_ins
+    from async_stand_ins import NoWeightTransfer, QueueWorker  # no server: the benchmark samples itself
 
     async_stand_ins.install()
     from trl.experimental.async_grpo.packing import TreeRow
@@ -117,8 +78,8 @@ def one_run(spec: dict) -> dict:
                            save_strategy="no", seed=spec["seed"], learning_rate=5e-4, max_steps=spec["steps"],
                            max_staleness=staleness, token_budget=0, **LOSSES[spec["loss"]])
     trainer = AsyncGSPOTrainer(model=model_dir, args=args, train_dataset=make_rl_dataset(8, seed=0),
-                               processing_class=tokenizer, rollout_worker=_QueueWorker(),
-                               weight_transfer=_NoWeightTransfer())
+                               processing_class=tokenizer, rollout_worker=QueueWorker(),
+                               weight_transfer=NoWeightTransfer())
     model = trainer.model
     trainer.create_optimizer_and_scheduler(num_training_steps=spec["steps"])
     trainer.current_gradient_accumulation_steps = 1

@@ -12,11 +12,16 @@ a CPU. A GPU needs neither: it has the FlashAttention-3 kernel and a CUDA device
 2. **No CUDA device name at construction.** `AsyncGRPOTrainer.__init__` reads `torch.cuda.get_device_name` to price
    MFU (`get_peak_flops_per_device`); here it returns None, which TRL itself returns for an unknown device (MFU
    metrics off, every other metric on).
+
+Beside them, for tests and benchmarks that feed the trainer themselves (no server): `QueueWorker`, TRL's rollout
+worker as a queue the caller fills, and `NoWeightTransfer`, a weight transfer that sends nothing (TRL accepts both
+injected, `rollout_worker=` / `weight_transfer=`).
 """
 
 from __future__ import annotations
 
 import math
+import queue
 import types
 
 import torch
@@ -57,3 +62,44 @@ def install() -> None:
 
     packing._flash_attn = lambda: types.SimpleNamespace(flash_attn_varlen_func=flash_attn_varlen_func)
     async_grpo_trainer.get_peak_flops_per_device = lambda accelerator, dtype: None
+
+
+class QueueWorker:
+    """TRL's `RolloutWorkerProtocol` as a queue the caller fills with `RolloutSample`s (TRL reads `rollout_buffer`)."""
+
+    def __init__(self, samples=()):
+        self.rollout_buffer, self.metrics_queue = queue.Queue(), queue.Queue()
+        for sample in samples:
+            self.rollout_buffer.put(sample)
+
+    def start(self):
+        pass
+
+    def stop(self):
+        pass
+
+    def update_model_version(self, version):
+        pass
+
+    def check_health(self, stale_after_s):
+        pass
+
+
+class NoWeightTransfer:
+    """TRL's `WeightTransferProtocol` sending nothing (there is no server); the weights streamed to it are read."""
+
+    def init_weight_transfer(self):
+        pass
+
+    def pause(self):
+        pass
+
+    def send_weights(self, weights):
+        for _ in weights:
+            pass
+
+    def resume(self):
+        pass
+
+    def destroy(self):
+        pass

@@ -7,9 +7,10 @@ import numpy as np
 import pytest
 import torch
 from conftest import toy_dataset
-from test_async_trainer import EPISODES, PROMPTS, NoWeightTransfer, QueueWorker, _reference_logps, _samples
+from test_async_trainer import EPISODES, PROMPTS, _reference_logps, _samples
 
 import async_stand_ins
+from async_stand_ins import NoWeightTransfer, QueueWorker
 
 async_stand_ins.install()
 

@@ -6,7 +6,6 @@ every parameter against a float64 reference written from the paper (one completi
 packing), and against the synchronous `GSPOTrainer`'s loss on the same samples unpadded-and-unpacked."""
 
 import copy
-import queue
 
 import numpy as np
 import pytest
@@ -14,6 +13,7 @@ import torch
 from conftest import tiny_config, toy_dataset
 
 import async_stand_ins
+from async_stand_ins import NoWeightTransfer, QueueWorker
 
 async_stand_ins.install()
 
@@ -25,47 +25,6 @@ from trl_gspo import AsyncGSPOConfig, AsyncGSPOTrainer, GSPOTrainer  # noqa: E40
 from trl_gspo.async_trainer import _VersionedRolloutCollator  # noqa: E402
 
 EPS_LOW, EPS_HIGH = 3e-4, 4e-4
-
-
-class QueueWorker:
-    """TRL's `RolloutWorkerProtocol` as a queue the test fills with `RolloutSample`s."""
-
-    def __init__(self, samples=()):
-        self.rollout_buffer, self.metrics_queue = queue.Queue(), queue.Queue()
-        for sample in samples:
-            self.rollout_buffer.put(sample)
-
-    def start(self):
-        pass
-
-    def stop(self):
-        pass
-
-    def update_model_version(self, version):
-        pass
-
-    def check_health(self, stale_after_s):
-        pass
-
-
-class NoWeightTransfer:
-    """TRL's `WeightTransferProtocol` doing nothing (there is no server); TRL supports injecting one."""
-
-    def init_weight_transfer(self):
-        pass
-
-    def pause(self):
-        pass
-
-    def send_weights(self, weights):
-        for _ in weights:
-            pass
-
-    def resume(self):
-        pass
-
-    def destroy(self):
-        pass
 
 
 def _trainer(tiny_moe_dir, tokenizer, tmp_path, samples=(), **config):

@@ -9,7 +9,6 @@ Prints `RESULT {json}`.
 import argparse
 import json
 import os
-import queue
 import sys
 from pathlib import Path
 
@@ -18,6 +17,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: the stand-ins
 import async_stand_ins  # noqa: E402
+from async_stand_ins import NoWeightTransfer, QueueWorker  # noqa: E402
 
 async_stand_ins.install()
 
@@ -28,43 +28,6 @@ from trl_gspo import AsyncGSPOConfig, AsyncGSPOTrainer  # noqa: E402
 from trl_gspo.async_routing import RoutedRolloutSample  # noqa: E402
 
 SAMPLES_PER_STEP = 8
-
-
-class QueueWorker:
-    def __init__(self, samples):
-        self.rollout_buffer, self.metrics_queue = queue.Queue(), queue.Queue()
-        for sample in samples:
-            self.rollout_buffer.put(sample)
-
-    def start(self):
-        pass
-
-    def stop(self):
-        pass
-
-    def update_model_version(self, version):
-        pass
-
-    def check_health(self, stale_after_s):
-        pass
-
-
-class NoWeightTransfer:
-    def init_weight_transfer(self):
-        pass
-
-    def pause(self):
-        pass
-
-    def send_weights(self, weights):
-        for _ in weights:
-            pass
-
-    def resume(self):
-        pass
-
-    def destroy(self):
-        pass
 
 
 def samples(steps, layers, top_k, experts):
