@@ -23,7 +23,7 @@ from dataclasses import dataclass, fields
 
 import numpy as np
 import torch
-from trl.experimental.async_grpo.async_rollout_worker import RolloutSample, _AsyncRolloutLoop
+from trl.experimental.async_grpo.async_rollout_worker import RolloutSample, _AsyncRolloutLoop, _common_prefix_len
 
 from .sampling.vllm import decode_server_routes
 
@@ -37,15 +37,6 @@ class RoutedRolloutSample(RolloutSample):
     (None: the server returned none)."""
 
     routes: np.ndarray | None = None
-
-
-def _common_prefix(a: list[int], b: list[int]) -> int:
-    n = 0
-    for x, y in zip(a, b):
-        if x != y:
-            break
-        n += 1
-    return n
 
 
 def stitch_turn_routes(input_ids: list[int], turns: list[tuple[list[int], list[int], np.ndarray | None]]):
@@ -67,7 +58,7 @@ def stitch_turn_routes(input_ids: list[int], turns: list[tuple[list[int], list[i
                              f"{len(tokens)} tokens ({len(tokens) - 1} expected). Cause: a server whose routes do not "
                              "belong to its answer's tokens (a vLLM outside trl-gspo's tested range).")
         # Position p's route depends on tokens 0..p; it is valid for the sequence where those match.
-        reach = min(_common_prefix(tokens, input_ids), routes.shape[0], need)
+        reach = min(_common_prefix_len(tokens, list(input_ids)), routes.shape[0], need)
         if reach > filled:
             if stitched is None:
                 stitched = np.empty((need, *routes.shape[1:]), dtype=routes.dtype)
