@@ -40,6 +40,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
@@ -48,8 +49,41 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 LOSSES = {"gspo": dict(loss_type="gspo"), "gspo_delta": dict(loss_type="gspo", delta=2.0),
           "gspo_wide": dict(loss_type="gspo", epsilon=3e-3, epsilon_high=4e-3),
-          "gspo_r3": dict(loss_type="gspo", routing_replay="sampler"), "grpo": dict(loss_type="grpo")}
+          "gspo_r3": dict(loss_type="gspo", routing_replay="sampler"), "grpo": dict(loss_type="grpo"),
+          # The decoupled objective (docs/gspo.md): the band against the trainer's weights, the sampler-to-trainer gap
+          # as a length-normalised sequence weight, truncated at C = 2 or 1.1, or masked outside [1/1.1, 1.1].
+          "dec_trunc2": dict(loss_type="gspo", staleness_correction="truncate", staleness_weight_cap=2.0),
+          "dec_trunc1.1": dict(loss_type="gspo", staleness_correction="truncate", staleness_weight_cap=1.1),
+          "dec_mask1.1": dict(loss_type="gspo", staleness_correction="mask", staleness_weight_cap=1.1),
+          "dec_trunc2_r3": dict(loss_type="gspo", staleness_correction="truncate", staleness_weight_cap=2.0,
+                                routing_replay="sampler"),
+          # TRL's token loss with a sequence-level truncated correction (`seq_tis_loss`): the token ratio against the
+          # trainer's weights, each token weighed by min(prod_t pi_prox / mu, 2), the un-normalised product.
+          "grpo_seq_tis": dict(loss_type="grpo")}
+SEQ_TIS_CAP = 2.0
 PROMPTS, GROUP, MAX_NEW = 4, 8, 4
+
+
+def seq_tis_loss(trainer, model, inputs):
+    """TRL's asynchronous token loss (eps 0.2, mean over the micro-batch's tokens) with the token ratio taken against
+    the proximal policy (these weights: each sample trains once, so the ratio is 1 in value) and every token of
+    completion i weighed by min(exp(sum_t log pi_prox(y_i,t) - log mu(y_i,t)), SEQ_TIS_CAP): a sequence-level
+    truncated importance weight as TRL's synchronous `sequence_truncate` takes it (a product over the completion)."""
+    import torch
+
+    targets = inputs["token_index"] >= 0
+    logps, _, _ = trainer._packed_forward(model, inputs)
+    segment_id, behaviour = inputs["segment_id"][targets], inputs["old_log_probs"][targets]
+    advantages = inputs["advantages"][targets]
+    log_gap = torch.zeros(int(segment_id.max()) + 1).index_add_(0, segment_id, logps.detach() - behaviour)
+    weight = log_gap.exp().clamp(max=SEQ_TIS_CAP)[segment_id]
+    ratio = torch.exp(logps - logps.detach())
+    clipped = ratio.clamp(1 - trainer.epsilon_low, 1 + trainer.epsilon_high)
+    per_token = -torch.minimum(ratio * advantages, clipped * advantages) * weight
+    trainer._metrics["train"]["clip_ratio/region_mean"].append(float((log_gap.exp() > SEQ_TIS_CAP).float().mean()))
+    trainer._metrics["train"]["gspo/log_ratio_abs_max"].append(
+        float((log_gap / torch.bincount(segment_id)).abs().max()))
+    return per_token.sum() / max(per_token.numel(), 1)
 
 
 def one_run(spec: dict) -> dict:
@@ -81,6 +115,8 @@ def one_run(spec: dict) -> dict:
                                processing_class=tokenizer, rollout_worker=QueueWorker(),
                                weight_transfer=NoWeightTransfer())
     model = trainer.model
+    if spec["loss"] == "grpo_seq_tis":
+        trainer.compute_loss = lambda model, inputs, *a, **k: seq_tis_loss(trainer, model, inputs)
     trainer.create_optimizer_and_scheduler(num_training_steps=spec["steps"])
     trainer.current_gradient_accumulation_steps = 1
     routing = trainer._routing  # RoutingReplay on the policy with routing_replay="sampler", else None
@@ -140,15 +176,23 @@ def one_run(spec: dict) -> dict:
         versions.append({k: v.detach().clone() for k, v in model.state_dict().items()})
         logged = {name: values[-1] for name, values in trainer._metrics["train"].items() if values}
         trainer._metrics["train"].clear()
+        capped = float("nan")
         if spec["loss"] == "grpo":  # TRL's metrics: token shares
             clipped_seq, clipped_tok = float("nan"), logged["clip_ratio/region_mean"]
             log_ratio = float("nan")
+        elif spec["loss"] == "grpo_seq_tis":  # no clip binds (ratio 1); "capped": weights the cap truncated
+            clipped_seq, clipped_tok, capped = 0.0, 0.0, logged["clip_ratio/region_mean"]
+            log_ratio = logged["gspo/log_ratio_abs_max"]
+        elif "staleness_correction" in LOSSES[spec["loss"]]:  # |log w_i|: the sampler-to-trainer gap
+            clipped_seq, clipped_tok = logged["clip_ratio/region_mean"], logged["gspo/clipped_token_fraction"]
+            log_ratio = logged["gspo/behaviour_log_weight_abs_max"]
+            capped = logged["gspo/behaviour_weight/capped_fraction"][0] / logged["gspo/behaviour_weight/capped_fraction"][1]
         else:
             clipped_seq, clipped_tok = logged["clip_ratio/region_mean"], logged["gspo/clipped_token_fraction"]
             log_ratio = logged["gspo/log_ratio_abs_max"]
         drift = logged.get("routing/replay_drift")
         steps.append({"reward": statistics.fmean(rewards), "clipped_seq": clipped_seq, "clipped_tok": clipped_tok,
-                      "log_ratio_abs_max": log_ratio, "loss": float(loss),
+                      "log_ratio_abs_max": log_ratio, "loss": float(loss), "capped": capped,
                       "replay_drift": drift[0] / drift[1] if drift else float("nan")})
     return {"steps": steps}
 
@@ -164,7 +208,8 @@ def summarize(run: dict) -> dict:
 
     return {"reward_first": mean("reward", steps[:fifth]), "reward_last": mean("reward", steps[-fifth:]),
             "clipped_seq": mean("clipped_seq", steps), "clipped_tok": mean("clipped_tok", steps),
-            "log_ratio_abs_max": mean("log_ratio_abs_max", steps), "replay_drift": mean("replay_drift", steps)}
+            "log_ratio_abs_max": mean("log_ratio_abs_max", steps), "replay_drift": mean("replay_drift", steps),
+            "capped": mean("capped", steps)}
 
 
 def main():
@@ -205,6 +250,8 @@ def main():
              for loss in options.losses.split(",") for dtype in options.dtypes.split(",") for k in stalenesses
              for seed in range(options.first_seed, options.first_seed + seeds)]
 
+    finished, lock = [], threading.Lock()
+
     def launch(spec):
         with tempfile.TemporaryDirectory() as output_dir:
             env = dict(os.environ, TOKENIZERS_PARALLELISM="false", OMP_NUM_THREADS="1", TRL_EXPERIMENTAL_SILENCE="1")
@@ -216,14 +263,16 @@ def main():
             sys.exit(f"{spec} failed:\n{(done.stdout + done.stderr)[-3000:]}")
         run = json.loads(line[len("RESULT "):])
         run["seconds"] = time.perf_counter() - started
+        if options.out:  # written after every run, so an interrupted sweep keeps what finished
+            with lock:
+                finished.append({"spec": spec, **run})
+                Path(options.out).write_text(json.dumps(finished))
         print(f"  {spec['loss']:<10} k={spec['staleness']} {spec['dtype']:<8} seed {spec['seed']}: "
               f"{ {k: round(v, 4) for k, v in summarize(run).items()} } ({run['seconds']:.0f} s)", flush=True)
         return spec, run
 
     with ThreadPoolExecutor(options.jobs) as pool:
         runs = list(pool.map(launch, specs))
-    if options.out:
-        Path(options.out).write_text(json.dumps([{"spec": spec, **run} for spec, run in runs]))
     print_table(runs, f"{steps} steps")
 
 
@@ -234,7 +283,8 @@ def print_table(runs, what):
                                                  r[0]["staleness"])):
         arms.setdefault((spec["loss"], spec["dtype"], spec["staleness"]), []).append(summarize(run))
 
-    print(f"\n{'loss':<10} {'sampler':<8} {'k':>2} {'clipped seq':>11} {'clipped tok':>11} {'max|log s|':>10} "
+    print(f"\n{'loss':<13} {'sampler':<8} {'k':>2} {'clipped seq':>11} {'clipped tok':>11} {'max|log s|':>10} "
+          f"{'capped':>6} "
           f"{'R3 drift':>8} {'reward first':>12} {'reward last':>16} seeds   (means, +- standard deviation over "
           f"seeds; {what})")
     for (loss, dtype, k), summaries in arms.items():
@@ -242,8 +292,8 @@ def print_table(runs, what):
             return statistics.fmean(s[key] for s in summaries)
         last = [s["reward_last"] for s in summaries]
         spread = f" +-{statistics.stdev(last):.3f}" if len(last) > 1 else ""
-        print(f"{loss:<10} {dtype:<8} {k:>2} {mean('clipped_seq'):>11.3f} {mean('clipped_tok'):>11.3f} "
-              f"{mean('log_ratio_abs_max'):>10.2e} {mean('replay_drift'):>8.3f} {mean('reward_first'):>12.3f} "
+        print(f"{loss:<13} {dtype:<8} {k:>2} {mean('clipped_seq'):>11.3f} {mean('clipped_tok'):>11.3f} "
+              f"{mean('log_ratio_abs_max'):>10.2e} {mean('capped'):>6.3f} {mean('replay_drift'):>8.3f} {mean('reward_first'):>12.3f} "
               f"{mean('reward_last'):>10.3f}"
               f"{spread:<7} {len(summaries):>4}")
     print("async_staleness: " + " ".join(

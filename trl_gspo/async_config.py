@@ -12,6 +12,8 @@ from .config import GSPO_LOSS_TYPES, PAPER_EPSILON_HIGH, PAPER_EPSILON_LOW
 
 # "grpo": TRL's asynchronous loss as it ships (token-level clipped ratio, mean over the micro-batch's tokens).
 ASYNC_LOSS_TYPES = (*GSPO_LOSS_TYPES, "grpo")
+# "none": pi_old is the sampler's log-probs (the paper's objective as written); the others: the decoupled objective.
+STALENESS_CORRECTIONS = ("none", "truncate", "mask")
 
 
 @dataclass
@@ -46,6 +48,21 @@ class AsyncGSPOConfig(AsyncGRPOConfig):
                           "longer push an unbounded negative update. None (default): the paper's objective."},
     )
 
+    staleness_correction: str = field(
+        default="none",
+        metadata={"help": "gspo types: 'none' (the paper's objective with the sampler's log-probs as pi_old: the band "
+                          "bounds the sequence ratio against the sampler, however stale), or the decoupled objective "
+                          "(docs/gspo.md): the band bounds the ratio against the trainer's weights when it trains the "
+                          "sample, and the sampler-to-trainer gap enters as a length-normalised sequence weight, "
+                          "'truncate'd at `staleness_weight_cap` or, with 'mask', completions whose weight leaves "
+                          "[1/cap, cap] dropped."},
+    )
+    staleness_weight_cap: float = field(
+        default=2.0,
+        metadata={"help": "Cap C of the decoupled objective's sequence weight (> 1); unused with "
+                          "staleness_correction='none'."},
+    )
+
     def __post_init__(self):
         if not isinstance(self.loss_type, str) or self.loss_type not in ASYNC_LOSS_TYPES:
             raise ValueError(f"`loss_type`: {self.loss_type!r} is not one AsyncGSPOTrainer runs. Fix: use one of "
@@ -54,7 +71,10 @@ class AsyncGSPOConfig(AsyncGRPOConfig):
         if self.routing_replay not in ("none", "sampler"):
             raise ValueError(f"`routing_replay`: {self.routing_replay!r} is not one AsyncGSPOTrainer runs. Fix: 'none' "
                              "or 'sampler' (R3; the asynchronous trainer has no old-policy pass for 'old' to record).")
-        for name in ("epsilon", "epsilon_high", "delta"):
+        if self.staleness_correction not in STALENESS_CORRECTIONS:
+            raise ValueError(f"`staleness_correction`: {self.staleness_correction!r} is not one AsyncGSPOTrainer runs. "
+                             f"Fix: one of {', '.join(repr(c) for c in STALENESS_CORRECTIONS)}.")
+        for name in ("epsilon", "epsilon_high", "delta", "staleness_weight_cap"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, numbers.Real) or isinstance(value, bool)):
                 raise ValueError(f"`{name}` must be a number, got {value!r}. Fix: e.g. `{name}=3e-4`.")
@@ -75,6 +95,12 @@ class AsyncGSPOConfig(AsyncGRPOConfig):
                                  "unset, or use loss_type='gspo'.")
             if self.delta <= 1 + high:
                 raise ValueError(f"`delta` ({self.delta}) must exceed 1 + epsilon_high ({1 + high}). Fix: e.g. 1.5.")
+        if self.staleness_correction != "none" and not is_gspo:
+            raise ValueError("`staleness_correction`: TRL's asynchronous 'grpo' loss has no decoupled form here. Fix: "
+                             "leave staleness_correction='none', or use loss_type='gspo'.")
+        if not self.staleness_weight_cap > 1:
+            raise ValueError(f"`staleness_weight_cap` ({self.staleness_weight_cap}) must exceed 1 (an unchanged "
+                             "policy's weight is 1). Fix: e.g. 2.0.")
         if self.max_staleness < 0:
             raise ValueError(f"`max_staleness` ({self.max_staleness}) must be >= 0. Fix: 0 trains on-policy samples "
                              "only; TRL's default is 4.")

@@ -44,7 +44,7 @@ from . import metrics as gspo_metrics
 from .async_config import AsyncGSPOConfig
 from .async_routing import RoutedRolloutLoop, packed_routes
 from .config import GSPO_LOSS_TYPES
-from .losses import gspo_packed_loss, unpack_segments
+from .losses import gspo_packed_loss, nonfinite_counts, raise_if_nonfinite, unpack_segments
 from .routing.replay import RoutingReplay
 
 
@@ -132,6 +132,7 @@ class AsyncGSPOTrainer(AsyncGRPOTrainer):
         self.loss_type = args.loss_type
         self._packed_groups = _PackedGroups()
         self._policy_version = 0  # the weight version the policy holds, on every rank (`_sync_weight`)
+        self._step_completions = None  # the optimizer step's completions over every rank (`get_batch_samples`)
         super().__init__(model, reward_funcs, args, *pargs, **kwargs)
         self._routing = None
         if args.routing_replay == "sampler":
@@ -170,6 +171,15 @@ class AsyncGSPOTrainer(AsyncGRPOTrainer):
         only), to age the samples it trains on."""
         super()._sync_weight()
         self._policy_version = broadcast_object_list([self.model_version], from_process=0)[0]
+
+    def get_batch_samples(self, epoch_iterator, num_batches, device):
+        """Transformers' trainer fetches every micro-batch of an optimizer step before it trains the first. The packer
+        gives each its completion count over all ranks, so their sum is the step's count, on every rank, before any
+        forward: one sum of device scalars, no communication, no host read."""
+        batch_samples, num_items_in_batch = super().get_batch_samples(epoch_iterator, num_batches, device)
+        counts = [batch["global_n_sequences"][0] for batch in batch_samples if "global_n_sequences" in batch]
+        self._step_completions = sum(counts) if len(counts) == len(batch_samples) and counts else None
+        return batch_samples, num_items_in_batch
 
     def _set_signature_columns_if_needed(self):
         super()._set_signature_columns_if_needed()
@@ -211,25 +221,36 @@ class AsyncGSPOTrainer(AsyncGRPOTrainer):
         targets = inputs["token_index"] >= 0
         logps, entropies, aux_loss = self._packed_forward(model, inputs)
         segment_id = inputs["segment_id"][targets]
+        behaviour, advantages = inputs["old_log_probs"][targets], inputs["advantages"][targets]
         versions = inputs["segment_version"][inputs["segment_version"] >= 0]
         # Age when trained, which can exceed the age TRL dropped by: the dataloader reads a batch ahead, before the
         # previous step's weight sync (measured: a batch read at version 1 trained at version 2).
         ages = self._policy_version - versions
-        out = gspo_packed_loss(logps, inputs["old_log_probs"][targets], inputs["advantages"][targets], segment_id,
-                               token_level=self.loss_type == "gspo_token", num_segments=ages.numel(),
-                               eps_low=self.epsilon_low, eps_high=self.epsilon_high, delta=self.args.delta)
-        # A plain mean over the micro-batch's completions on every rank: DDP/FSDP average gradients over ranks, so
-        # each rank divides its sum by the global count over the world size (TRL's token loss does the same).
+        # Checked with the metrics, after their one reduce over ranks, so a NaN on one rank stops every rank at once.
+        nonfinite = nonfinite_counts(logps.detach(), behaviour, advantages, torch.ones_like(targets[targets]))
+        decoupled = {}
+        if self.args.staleness_correction != "none":  # proximal policy: these weights (each sample trains once)
+            decoupled = dict(proximal_logps=logps.detach(), weight_cap=self.args.staleness_weight_cap,
+                             weight_mode=self.args.staleness_correction)
+        out = gspo_packed_loss(logps, behaviour, advantages, segment_id, token_level=self.loss_type == "gspo_token",
+                               num_segments=ages.numel(), eps_low=self.epsilon_low, eps_high=self.epsilon_high,
+                               delta=self.args.delta, check_inputs=False, **decoupled)
+        # A plain mean over the optimizer step's completions (every rank's, every micro-batch's), whatever the packer
+        # put in each micro-batch: DDP/FSDP average gradients over ranks, so each rank divides its sum by the step's
+        # count over the world size. Driven by hand (no `get_batch_samples`), the micro-batch is taken as 1 / steps.
         world = self.accelerator.num_processes
-        sequences_per_rank = (inputs["global_n_sequences"][0] / world).clamp(min=1.0)
-        policy_loss = out.per_sequence_loss.sum() / sequences_per_rank
-        loss = policy_loss / self.current_gradient_accumulation_steps
+        micro_batch = inputs["global_n_sequences"][0]
+        step = self._step_completions
+        if step is None:
+            step = micro_batch * self.current_gradient_accumulation_steps
+        loss = out.per_sequence_loss.sum() * world / step.clamp(min=1.0)
+        policy_loss = out.per_sequence_loss.sum().detach() * world / micro_batch.clamp(min=1.0)  # logged per micro-batch
         if self.aux_loss_enabled:
             loss = loss + self.router_aux_loss_coef * aux_loss / self.current_gradient_accumulation_steps
 
         entropy_rows, mask = unpack_segments(segment_id, entropies.detach(), num_segments=ages.numel())
-        self._log_gspo_metrics(out, mask, entropy_rows, policy_loss.detach(), ages,
-                               aux_loss.detach() if self.aux_loss_enabled else None)
+        self._log_gspo_metrics(out, mask, entropy_rows, policy_loss, ages,
+                               aux_loss.detach() if self.aux_loss_enabled else None, nonfinite)
         self._count_step_tokens(inputs)
         return loss
 
@@ -259,9 +280,11 @@ class AsyncGSPOTrainer(AsyncGRPOTrainer):
         self._step_samples += forwarded / mean_length
         self._step_forward_s += self._last_forward_time_s
 
-    def _log_gspo_metrics(self, out, mask, entropies, policy_loss, ages, aux_loss):
+    def _log_gspo_metrics(self, out, mask, entropies, policy_loss, ages, aux_loss, nonfinite):
         """`GSPOTrainer`'s `gspo/*`, `clip_ratio/*`, `entropy`, `policy_loss` (trl_gspo/metrics.py), over every rank,
-        and per sample age the clipped completions as a (clipped, count) rate: one reduce, one gather, one host read."""
+        and per sample age the clipped completions as a (clipped, count) rate; with the decoupled objective, the
+        sequence weights (mean, max, capped fraction) overall and per age. One reduce, one gather, one host read; the
+        NaN/Inf counts ride in the reduce, so every rank raises together."""
         sums = gspo_metrics.metric_sums(out, mask, entropies, policy_loss, aux_loss=aux_loss,
                                         with_delta=self.args.delta is not None)
         buckets = self.args.max_staleness + 2  # read at most max_staleness old, then possibly one sync later
@@ -269,15 +292,25 @@ class AsyncGSPOTrainer(AsyncGRPOTrainer):
         age = ages.clamp(0, buckets - 1)
         by_age = torch.stack([torch.zeros(buckets, device=clipped.device).index_add_(0, age, clipped),
                               torch.bincount(age, minlength=buckets).float()])
-        reduced = self.accelerator.reduce(torch.cat([torch.stack(list(sums.values())), by_age.flatten()]),
-                                          reduction="sum")
-        # Ranks hold different completion counts: NaN rows pad them to one shape for the gather, then go.
-        rows = self.accelerator.pad_across_processes(gspo_metrics.per_sequence_values(out, mask), dim=0,
-                                                     pad_index=float("nan"))
+        reduced = self.accelerator.reduce(torch.cat([nonfinite.float(), torch.stack(list(sums.values())),
+                                                     by_age.flatten()]), reduction="sum")
+        reduced_sums = reduced[3:3 + len(sums)]
+        # Ranks hold different completion counts: NaN rows pad them to one shape for the gather (column 0 is never
+        # NaN in a real row), and `present` leaves them out without a host read.
+        columns = [gspo_metrics.per_sequence_values(out, mask)]
+        weighted = out.behaviour_weight is not None
+        if weighted:
+            columns.append(torch.stack([age.float(), out.behaviour_weight.float(), out.weight_capped.float(),
+                                        out.behaviour_log_weight.float().abs()], 1))
+        rows = self.accelerator.pad_across_processes(torch.cat(columns, 1), dim=0, pad_index=float("nan"))
         rows = self.accelerator.gather(rows)
-        rows = rows[~rows.isnan().any(-1)]
-        values = gspo_metrics.finish(dict(zip(sums, reduced[:len(sums)])), rows)
-        host = torch.cat([torch.stack(list(values.values())).float(), reduced[len(sums):]]).tolist()
+        present = ~rows[:, 0].isnan()
+        values = gspo_metrics.finish(dict(zip(sums, reduced_sums)), rows, present)
+        weight_stats = self._weight_stats(rows, present, buckets) if weighted else torch.zeros(0, device=rows.device)
+        host = torch.cat([reduced[:3], torch.stack(list(values.values())).float(), reduced[3 + len(sums):],
+                          weight_stats]).tolist()
+        raise_if_nonfinite(host[:3])
+        host = host[3:]
         for name, value in zip(values, host):
             self._metrics["train"][name].append(value)
         clipped_by_age, count_by_age = host[len(values):len(values) + buckets], host[len(values) + buckets:]
@@ -285,3 +318,33 @@ class AsyncGSPOTrainer(AsyncGRPOTrainer):
             if count_by_age[k]:
                 self._metrics["train"][f"gspo/clipped_sequence_fraction/age_{k}"].append(
                     (clipped_by_age[k], count_by_age[k]))
+        if weighted:
+            self._log_weight_stats(host[len(values) + 2 * buckets:], buckets)
+
+    @staticmethod
+    def _weight_stats(rows, present, buckets):
+        """Per age bucket and over all (last): count, weight sum, weight max, capped count; then the largest |log w_i|.
+        From the gathered rows (columns 5-8: age, applied weight, capped, |log w_i|), on the device."""
+        age, weight, capped, log_weight = rows[:, 5], rows[:, 6], rows[:, 7], rows[:, 8]
+        stats = []
+        for k in [*range(buckets), None]:
+            selected = present if k is None else present & (age == k)
+            stats += [selected.sum().float(), torch.where(selected, weight, 0).sum(),
+                      torch.where(selected, weight, -torch.inf).max(), torch.where(selected, capped, 0).sum()]
+        return torch.stack([*stats, torch.where(present, log_weight, 0).max()])
+
+    def _log_weight_stats(self, stats, buckets):
+        """`gspo/behaviour_weight/{mean,max,capped_fraction}` over the micro-batch, and `..._age_K` per sample age:
+        the weight applied (after truncation; 0 where masked) and the share of completions the cap truncated or
+        masked; and `gspo/behaviour_log_weight_abs_max`, the largest |log w_i| (the sampler-to-trainer gap, before
+        the cap). ("max" in the name's last part: TRL's logger reads a window's reduction from it.)"""
+        for k in [*range(buckets), None]:
+            count, total, largest, capped = stats[:4]
+            stats = stats[4:]
+            if not count:
+                continue
+            suffix = "" if k is None else f"_age_{k}"
+            self._metrics["train"][f"gspo/behaviour_weight/mean{suffix}"].append((total, count))
+            self._metrics["train"][f"gspo/behaviour_weight/max{suffix}"].append(largest)
+            self._metrics["train"][f"gspo/behaviour_weight/capped_fraction{suffix}"].append((capped, count))
+        self._metrics["train"]["gspo/behaviour_log_weight_abs_max"].append(stats[0])

@@ -25,6 +25,9 @@ __all__ = [
     "gspo_token_loss",
     "unpack_segments",
     "gspo_packed_loss",
+    "behaviour_weights",
+    "decoupled_gspo_loss",
+    "WEIGHT_MODES",
     "k3_kl",
     "masked_sequence_mean",
     "masked_token_mean",
@@ -51,6 +54,10 @@ class PolicyLossOutput:
         high_clipped: ``(B, T)`` same on the high side (``s > 1 + eps_high`` and advantage > 0).
         delta_clipped: ``(B, T)`` tokens whose objective was capped by two-sided clipping (``s > delta`` and
             advantage < 0); all False without ``delta``.
+        behaviour_log_weight: decoupled objective only (:func:`decoupled_gspo_loss`): ``(B,)`` ``log w_i``, the
+            length-normalised log weight of the proximal policy against the behaviour policy; else None.
+        behaviour_weight: decoupled objective only: ``(B,)`` the weight applied (truncated, or 0 where masked).
+        weight_capped: decoupled objective only: ``(B,)`` completions whose weight the cap truncated or masked.
     """
 
     per_token_loss: torch.Tensor
@@ -59,6 +66,9 @@ class PolicyLossOutput:
     low_clipped: torch.Tensor
     high_clipped: torch.Tensor
     delta_clipped: torch.Tensor
+    behaviour_log_weight: torch.Tensor | None = None
+    behaviour_weight: torch.Tensor | None = None
+    weight_capped: torch.Tensor | None = None
 
     @property
     def ratio(self) -> torch.Tensor:
@@ -355,6 +365,9 @@ def gspo_packed_loss(
     segment_id: torch.Tensor,
     token_level: bool = False,
     num_segments: int | None = None,
+    proximal_logps: torch.Tensor | None = None,
+    weight_cap: float = 2.0,
+    weight_mode: str = "truncate",
     **clip,
 ) -> PolicyLossOutput:
     """:func:`gspo_loss` (Eq. 5, 7) or, with ``token_level``, :func:`gspo_token_loss` (Eq. 13, 14) on packed rows:
@@ -362,17 +375,98 @@ def gspo_packed_loss(
     each (:func:`unpack_segments`). ``s_i`` is the mean log ratio over completion ``i``'s targets only, ``|y_i|`` its
     target count (mask tool tokens out of the packed targets beforehand). For ``gspo`` every target of a completion
     must carry the completion's advantage (TRL's asynchronous trainer repeats it per token); per-token advantages need
-    ``token_level``. Returns the padded form, one row per completion; ``clip``: ``eps_low``, ``eps_high``, ``delta``,
-    ``check_inputs`` as for the unpacked losses."""
-    logps_rows, old_rows, advantage_rows, mask = unpack_segments(segment_id, logps, old_logps, advantages,
-                                                                 num_segments=num_segments)
-    if token_level:
-        return gspo_token_loss(logps_rows, old_rows, advantage_rows, mask, **clip)
-    first = advantage_rows[:, :1]
-    if bool(((advantage_rows - first).abs() * mask).amax() > 0) if mask.any() else False:
-        raise ValueError("`advantages` differ within a completion: gspo takes one advantage per sequence. Fix: use "
-                         "token_level=True (gspo_token) for per-token advantages.")
-    return gspo_loss(logps_rows, old_rows, first[:, 0], mask, **clip)
+    ``token_level``; with ``check_inputs=False`` that is not checked (it costs a host read). With ``proximal_logps``
+    ``(M,)``: :func:`decoupled_gspo_loss`, ``old_logps`` being the behaviour policy's. Returns the padded form, one row
+    per completion; ``clip``: ``eps_low``, ``eps_high``, ``delta``, ``check_inputs`` as for the unpacked losses."""
+    packed = [logps, old_logps, advantages] + ([proximal_logps] if proximal_logps is not None else [])
+    logps_rows, old_rows, advantage_rows, *proximal_rows, mask = unpack_segments(segment_id, *packed,
+                                                                                 num_segments=num_segments)
+    if not token_level:
+        first = advantage_rows[:, :1]
+        if clip.get("check_inputs", True) and mask.any() and bool(((advantage_rows - first).abs() * mask).amax() > 0):
+            raise ValueError("`advantages` differ within a completion: gspo takes one advantage per sequence. Fix: "
+                             "use token_level=True (gspo_token) for per-token advantages.")
+        advantage_rows = first[:, 0]
+    if proximal_logps is not None:
+        return decoupled_gspo_loss(logps_rows, proximal_rows[0], old_rows, advantage_rows, mask,
+                                   token_level=token_level, weight_cap=weight_cap, weight_mode=weight_mode, **clip)
+    loss = gspo_token_loss if token_level else gspo_loss
+    return loss(logps_rows, old_rows, advantage_rows, mask, **clip)
+
+
+WEIGHT_MODES = ("truncate", "mask")
+
+
+def behaviour_weights(proximal_logps: torch.Tensor, behaviour_logps: torch.Tensor, mask: torch.Tensor,
+                      cap: float, mode: str = "truncate"):
+    """Sequence-level importance weight of the proximal policy against the behaviour policy, length-normalised as
+    GSPO's ``s_i`` (Eq. 7):
+
+    ``w_i = exp( (1/|y_i|) sum_t [log pi_prox(y_i,t) - log mu(y_i,t)] )``
+
+    ``mode="truncate"``: ``min(w_i, cap)`` (truncated importance sampling); ``mode="mask"``: ``w_i`` where
+    ``1/cap <= w_i <= cap``, else 0 (the completion is dropped). Returns ``(log w_i, applied weight, capped)``, each
+    ``(B,)``, detached: the weight is a constant of the objective. 0 / 1 / False for an empty completion."""
+    if mode not in WEIGHT_MODES:
+        raise ValueError(f"weight mode must be one of {WEIGHT_MODES}, got {mode!r}.")
+    if not cap > 1.0:
+        raise ValueError(f"the weight cap must be > 1 (the weights of an unchanged policy are 1), got {cap}.")
+    log_weight = sequence_log_ratio(proximal_logps.detach(), behaviour_logps.detach(), mask)
+    weight = log_weight.exp()
+    if mode == "truncate":
+        capped = weight > cap
+        applied = torch.clamp(weight, max=cap)
+    else:
+        capped = (weight > cap) | (weight < 1.0 / cap)
+        applied = torch.where(capped, torch.zeros_like(weight), weight)
+    return log_weight, applied, capped
+
+
+def decoupled_gspo_loss(
+    logps: torch.Tensor,
+    proximal_logps: torch.Tensor,
+    behaviour_logps: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    token_level: bool = False,
+    weight_cap: float = 2.0,
+    weight_mode: str = "truncate",
+    eps_low: float = 3e-4,
+    eps_high: float = 4e-4,
+    check_inputs: bool = True,
+    delta: float | None = None,
+) -> PolicyLossOutput:
+    """GSPO's objective decoupled for stale samples (decoupled PPO, Hilton et al., arXiv 2110.00641, on GSPO's
+    sequence ratio): the clip band bounds the update against the proximal policy ``pi_prox``, and the gap between the
+    behaviour policy ``mu`` (the sampler, possibly several weight versions old) and ``pi_prox`` enters as a
+    sequence-level importance weight (:func:`behaviour_weights`):
+
+    ``r_i = exp( (1/|y_i|) sum_t log pi_theta(y_i,t) / pi_prox(y_i,t) )``
+
+    ``J(theta) = (1/N) sum_i sg[w~_i] min(r_i A_i, clip(r_i, 1 - eps_low, 1 + eps_high) A_i)``
+
+    ``w~_i`` truncated at ``weight_cap`` or masked outside ``[1/weight_cap, weight_cap]``. With ``token_level``,
+    ``r_i`` becomes Eq. 14's ``r_i,t = sg[r_i] pi_theta(y_i,t) / sg[pi_theta(y_i,t)]`` and the term the token mean of
+    Eq. 13's, per-token advantages allowed. Untruncated, ``w_i r_i = s_i`` (Eq. 7 against ``mu``). When
+    ``pi_prox = sg[pi_theta]`` (each sample trained once, as in TRL's asynchronous trainer), ``r_i = 1``: no clip
+    binds, and the gradient is ``(1/N) sum_i w~_i A_i grad (1/|y_i|) sum_t log pi_theta(y_i,t)``.
+
+    Args as :func:`gspo_loss`; ``proximal_logps`` / ``behaviour_logps`` ``(B, T)`` constants. The returned
+    ``per_token_loss`` / ``per_sequence_loss`` carry the weight; ``log_ratio`` is ``log r_i`` (against ``pi_prox``),
+    and ``behaviour_log_weight``, ``behaviour_weight``, ``weight_capped`` are set."""
+    _check_shapes(logps, behaviour_logps, mask)
+    if check_inputs:  # the behaviour policy's log-probs stand where gspo_loss would check old_logps
+        raise_if_nonfinite(nonfinite_counts(logps, behaviour_logps, advantages, mask).tolist())
+    log_weight, weight, capped = behaviour_weights(proximal_logps, behaviour_logps, mask, weight_cap, weight_mode)
+    loss = gspo_token_loss if token_level else gspo_loss
+    out = loss(logps, proximal_logps.detach(), advantages, mask, eps_low=eps_low, eps_high=eps_high,
+               check_inputs=False, delta=delta)
+    valid = mask.bool().any(-1)
+    weight = torch.where(valid, weight, torch.ones_like(weight)).to(out.per_sequence_loss.dtype)
+    out.per_token_loss = out.per_token_loss * weight[:, None]
+    out.per_sequence_loss = out.per_sequence_loss * weight
+    out.behaviour_log_weight, out.behaviour_weight, out.weight_capped = log_weight, weight, capped & valid
+    return out
 
 
 def applied_entropy_coef(coef: float, last_entropy: float, target: float, adaptive: bool) -> float:

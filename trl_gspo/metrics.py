@@ -41,13 +41,18 @@ def per_sequence_values(out, mask) -> torch.Tensor:
     ], dim=1)
 
 
-def finish(totals: dict, per_sequence: torch.Tensor) -> dict:
+def finish(totals: dict, per_sequence: torch.Tensor, present: torch.Tensor | None = None) -> dict:
     """Metric values from the rank-summed `totals` and every rank's `per_sequence` rows. Ratio statistics are over
-    non-empty sequences (1 / 0 when there is none)."""
+    non-empty sequences (1 / 0 when there is none). `present` (rows,) marks the real rows where a gather padded
+    ranks to one shape (without a host read to drop the padding); None: all rows are real."""
     tokens = totals["tokens"].clamp(min=1.0)
-    low, high, region, log_ratio, nonempty = per_sequence.unbind(1)
-    nonempty = nonempty.bool()
+    if present is None:
+        present = torch.ones(per_sequence.shape[0], dtype=torch.bool, device=per_sequence.device)
+    per_sequence = torch.where(present[:, None], per_sequence, torch.zeros_like(per_sequence))
+    low, high, region, log_ratio, nonempty = per_sequence[:, :5].unbind(1)
+    nonempty = nonempty.bool() & present
     count = nonempty.sum()
+    rows = present.sum().clamp(min=1)
     one = torch.ones((), device=per_sequence.device)
     log_ratio = torch.where(nonempty, log_ratio, torch.zeros_like(log_ratio))
     ratio = log_ratio.exp()
@@ -57,9 +62,9 @@ def finish(totals: dict, per_sequence: torch.Tensor) -> dict:
     values = {
         "entropy": totals["entropy"] / tokens,
         "policy_loss": totals["policy_loss"] / totals["ranks"],
-        "clip_ratio/low_mean": low.mean(), "clip_ratio/low_min": low.min(),
-        "clip_ratio/high_mean": high.mean(), "clip_ratio/high_max": high.max(),
-        "clip_ratio/region_mean": region.mean(),
+        "clip_ratio/low_mean": low.sum() / rows, "clip_ratio/low_min": torch.where(present, low, inf).min(),
+        "clip_ratio/high_mean": high.sum() / rows, "clip_ratio/high_max": torch.where(present, high, -inf).max(),
+        "clip_ratio/region_mean": region.sum() / rows,
         # The paper's "fraction of clipped tokens": completion tokens whose objective term was clipped.
         "gspo/clipped_token_fraction": totals["clipped"] / tokens,
         "gspo/ratio_mean": torch.where(count > 0, ratio_mean, one),
