@@ -175,6 +175,8 @@ def one_run(spec: dict) -> dict:
         trainer.optimizer.zero_grad()
         versions.append({k: v.detach().clone() for k, v in model.state_dict().items()})
         logged = {name: values[-1] for name, values in trainer._metrics["train"].items() if values}
+        logged = {name: (v[0] / v[1] if v[1] else float("nan")) if isinstance(v, tuple) and name != "routing/replay_drift"
+                  else v for name, v in logged.items()}  # (sum, count) rates as values
         trainer._metrics["train"].clear()
         capped = float("nan")
         if spec["loss"] == "grpo":  # TRL's metrics: token shares
@@ -186,7 +188,7 @@ def one_run(spec: dict) -> dict:
         elif "staleness_correction" in LOSSES[spec["loss"]]:  # |log w_i|: the sampler-to-trainer gap
             clipped_seq, clipped_tok = logged["clip_ratio/region_mean"], logged["gspo/clipped_token_fraction"]
             log_ratio = logged["gspo/behaviour_log_weight_abs_max"]
-            capped = logged["gspo/behaviour_weight/capped_fraction"][0] / logged["gspo/behaviour_weight/capped_fraction"][1]
+            capped = logged["gspo/behaviour_weight/capped_fraction"]
         else:
             clipped_seq, clipped_tok = logged["clip_ratio/region_mean"], logged["gspo/clipped_token_fraction"]
             log_ratio = logged["gspo/log_ratio_abs_max"]

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 from conftest import toy_dataset
-from test_async_trainer import EPISODES, PROMPTS, _reference_logps, _samples
+from test_async_trainer import EPISODES, PROMPTS, _reference_logps, _samples, token_budget_step
 
 import async_stand_ins
 from async_stand_ins import NoWeightTransfer, QueueWorker
@@ -87,11 +87,14 @@ def _samples_with_routes():
     return samples
 
 
-@pytest.mark.parametrize("loss_type", ["gspo", "grpo"])
-def test_replayed_packed_step_matches_a_float64_reference_per_sample(tiny_moe_dir, tokenizer, tmp_path, loss_type):
+@pytest.mark.parametrize("loss_type,budget", [("gspo", None), ("grpo", None), ("gspo", 21)])
+def test_replayed_packed_step_matches_a_float64_reference_per_sample(tiny_moe_dir, tokenizer, tmp_path, loss_type,
+                                                                     budget):
     """Routes forced at the right packed positions: loss and gradients of the packed training step equal a float64
     reference that forwards each sample alone with its own routes forced (shared prompt positions: the first
-    sample's, which the reference also forces, as one prefix computation on the server would give them)."""
+    sample's, which the reference also forces, as one prefix computation on the server would give them). With a
+    token budget, the step is three micro-batches of 2, 3 and 1 completions, and the reference still the plain mean
+    over all six."""
     import copy
 
     samples = _samples(tiny_moe_dir)
@@ -114,15 +117,21 @@ def test_replayed_packed_step_matches_a_float64_reference_per_sample(tiny_moe_di
     args = AsyncGSPOConfig(output_dir=str(tmp_path), use_cpu=True, report_to="none", max_steps=1,
                            per_device_train_batch_size=6, num_generations=4, token_budget=0, logging_steps=1,
                            save_strategy="no", router_aux_loss_coef=0.0, disable_tqdm=True, loss_type=loss_type,
-                           routing_replay="sampler")
+                           routing_replay="sampler", gradient_accumulation_steps=3 if budget else 1)
     trainer = AsyncGSPOTrainer(model=str(tiny_moe_dir), args=args, train_dataset=toy_dataset(4), processing_class=tok,
                                rollout_worker=QueueWorker(), weight_transfer=NoWeightTransfer())
-    batch = _VersionedRolloutCollator(pad_token_id=0, num_processes=1, route_shape=(LAYERS, TOP_K))([[row]])
-    trainer._policy_version = 0
-    trainer.current_gradient_accumulation_steps = 1
-    trainer.model.zero_grad()
-    loss = trainer.training_step(trainer.model, batch)
-    grads = {n: p.grad.clone() for n, p in trainer.model.named_parameters() if p.grad is not None}
+    if budget:
+        for sample in samples:
+            sample["routes"] = sample["routes"].copy()
+        loss, grads, counts = token_budget_step(trainer, samples, budget, route_shape=(LAYERS, TOP_K))
+        assert counts == [2, 3, 1]
+    else:
+        batch = _VersionedRolloutCollator(pad_token_id=0, num_processes=1, route_shape=(LAYERS, TOP_K))([[row]])
+        trainer._policy_version = 0
+        trainer.current_gradient_accumulation_steps = 1
+        trainer.model.zero_grad()
+        loss = trainer.training_step(trainer.model, batch)
+        grads = {n: p.grad.clone() for n, p in trainer.model.named_parameters() if p.grad is not None}
     logged = trainer._metrics["train"]
     drifted, counted = logged["routing/replay_drift"][-1]
     assert counted > 0 and drifted / counted > 0.3  # random routes: replay changed many of the natural ones

@@ -6,6 +6,7 @@ every parameter against a float64 reference written from the paper (one completi
 packing), and against the synchronous `GSPOTrainer`'s loss on the same samples unpadded-and-unpacked."""
 
 import copy
+from collections import defaultdict
 
 import numpy as np
 import pytest
@@ -17,6 +18,7 @@ from async_stand_ins import NoWeightTransfer, QueueWorker
 
 async_stand_ins.install()
 
+from trl.experimental.async_grpo.async_grpo_trainer import TokenBudgetBatcher  # noqa: E402
 from trl.experimental.async_grpo.async_rollout_worker import RolloutSample  # noqa: E402
 from trl.experimental.async_grpo.packing import TreeRow  # noqa: E402
 from transformers import AutoModelForCausalLM  # noqa: E402
@@ -138,8 +140,49 @@ def test_packed_loss_and_gradients_match_the_float64_reference(tiny_moe_dir, tok
 
     # The clip band acted: both clipped and unclipped completions, so a wrong |y_i| or band would show.
     logged = trainer._metrics["train"]
-    assert 0 < logged["clip_ratio/region_mean"][-1] < 1
-    assert logged["gspo/clipped_sequence_fraction/age_0"][-1][1] == len(EPISODES)
+    clipped, completions = logged["clip_ratio/region_mean"][-1]  # a (sum, count) rate for TRL's logger
+    assert completions == len(EPISODES) and 0 < clipped < completions
+    assert logged["gspo/clipped_sequence_fraction/age_0"][-1] == pytest.approx((clipped, completions))
+
+
+def token_budget_step(trainer, samples, budget, route_shape=None):
+    """One optimizer step's forward and backward as transformers' loop runs it: TRL's token-budget batcher plans the
+    micro-batches (completions per micro-batch follow their lengths), `get_batch_samples` fetches them all, then one
+    `training_step` each. Returns the summed loss, the accumulated gradients and the completions per micro-batch."""
+    flush = {"input_ids": np.arange(100, 100 + budget), "completion_mask": np.ones(budget, dtype=int),
+             "old_log_probs": np.zeros(budget, dtype=np.float32), "advantage": 0.0, "group_id": 99, "metrics": {},
+             "model_version": 0}  # fits only alone: closes the last planned micro-batch, never trained itself
+    planned = list(TokenBudgetBatcher([*samples, flush], 1, budget, defaultdict(list)))
+    collator = _VersionedRolloutCollator(pad_token_id=0, num_processes=1, route_shape=route_shape)
+    batches, _ = trainer.get_batch_samples(iter([collator([rows]) for rows in planned]), len(planned), "cpu")
+    trainer.current_gradient_accumulation_steps = len(batches)
+    trainer._policy_version = 0
+    trainer.model.train()
+    trainer.model.zero_grad()
+    loss = sum(trainer.training_step(trainer.model, batch).detach() for batch in batches)
+    grads = {n: p.grad.clone() for n, p in trainer.model.named_parameters() if p.grad is not None}
+    return loss, grads, [len(rows[0].samples) for rows in planned]
+
+
+@pytest.mark.parametrize("loss_type", ["gspo", "gspo_token"])
+def test_a_step_of_unequal_micro_batches_is_the_plain_mean_over_its_completions(tiny_moe_dir, tokenizer, tmp_path,
+                                                                                 loss_type):
+    """Each completion of an optimizer step weighs 1 / (the step's completions) whatever the packer put in each
+    micro-batch: three micro-batches of 2, 3 and 1 completions give the float64 reference's plain mean over all six
+    (a per-micro-batch mean over the accumulation steps would weigh the lone completion 3x the others)."""
+    trainer = _trainer(tiny_moe_dir, tokenizer, tmp_path, loss_type=loss_type, gradient_accumulation_steps=3)
+    loss, grads, counts = token_budget_step(trainer, _samples(tiny_moe_dir), budget=21)
+    assert counts == [2, 3, 1]
+
+    reference = AutoModelForCausalLM.from_pretrained(tiny_moe_dir, dtype=torch.float64, attn_implementation="eager",
+                                                     experts_implementation="eager")
+    expected = _reference_loss(reference, _reference_logps(tiny_moe_dir), token_level=loss_type == "gspo_token")
+    expected.backward()
+    assert loss.item() == pytest.approx(expected.item(), rel=1e-5, abs=1e-7)
+    scale = max(p.grad.abs().max().item() for p in reference.parameters() if p.grad is not None)
+    for name, param in reference.named_parameters():
+        if param.grad is not None:
+            torch.testing.assert_close(grads[name].double(), param.grad, rtol=1e-4, atol=1e-5 * scale, msg=name)
 
 
 def test_packed_loss_equals_the_synchronous_trainers_loss_on_the_same_samples(tiny_moe_dir, tokenizer, tmp_path):
@@ -227,7 +270,10 @@ def test_config_presets_and_refusals(tmp_path):
     assert (trl.epsilon, trl.epsilon_high, trl.paper_presets) == (0.2, None, {})
     refusals = [(dict(loss_type="dapo"), "loss_type"), (dict(loss_type="grpo", delta=1.5), "delta"),
                 (dict(delta=1.0001), "delta"), (dict(epsilon="3e-4"), "epsilon"), (dict(epsilon=1.5), "epsilon"),
-                (dict(max_staleness=-1), "max_staleness")]
+                (dict(max_staleness=-1), "max_staleness"), (dict(staleness_correction="clip"), "staleness_correction"),
+                (dict(loss_type="grpo", staleness_correction="truncate"), "staleness_correction"),
+                (dict(staleness_weight_cap=1.0), "staleness_weight_cap"),
+                (dict(staleness_weight_cap="2"), "staleness_weight_cap")]
     for options, option in refusals:
         with pytest.raises(ValueError, match=f"`{option}`.*Fix"):
             AsyncGSPOConfig(output_dir=str(tmp_path), use_cpu=True, **options)

@@ -48,6 +48,13 @@ from .losses import gspo_packed_loss, nonfinite_counts, raise_if_nonfinite, unpa
 from .routing.replay import RoutingReplay
 
 
+# The count each logged mean is taken over (the rest are extremes, spreads or per-rank gauges).
+_RATE_COUNTS = {"clip_ratio/low_mean": "completions", "clip_ratio/high_mean": "completions",
+                "clip_ratio/region_mean": "completions", "policy_loss": "completions", "gspo/ratio_mean": "nonempty",
+                "entropy": "tokens", "gspo/clipped_token_fraction": "tokens",
+                "gspo/delta_clipped_token_fraction": "tokens"}
+
+
 class _RecordingQueue:
     """The rollout queue, remembering the last sample read from it (TRL's reader keeps only some of its fields)."""
 
@@ -307,12 +314,18 @@ class AsyncGSPOTrainer(AsyncGRPOTrainer):
         present = ~rows[:, 0].isnan()
         values = gspo_metrics.finish(dict(zip(sums, reduced_sums)), rows, present)
         weight_stats = self._weight_stats(rows, present, buckets) if weighted else torch.zeros(0, device=rows.device)
-        host = torch.cat([reduced[:3], torch.stack(list(values.values())).float(), reduced[3 + len(sums):],
+        counts = torch.stack([reduced_sums[list(sums).index("tokens")], present.sum().float(),
+                              (present & (rows[:, 4] > 0)).sum().float()])
+        host = torch.cat([reduced[:3], counts, torch.stack(list(values.values())).float(), reduced[3 + len(sums):],
                           weight_stats]).tolist()
         raise_if_nonfinite(host[:3])
-        host = host[3:]
+        counts = dict(zip(("tokens", "completions", "nonempty"), host[3:6]))
+        host = host[6:]
+        # Means over completions or tokens go to TRL's logger as (sum, count) rates: over a logging window of unequal
+        # micro-batches each completion (token) then counts once, as in the loss.
         for name, value in zip(values, host):
-            self._metrics["train"][name].append(value)
+            count = counts.get(_RATE_COUNTS.get(name))
+            self._metrics["train"][name].append(value if count is None else (value * count, count))
         clipped_by_age, count_by_age = host[len(values):len(values) + buckets], host[len(values) + buckets:]
         for k in range(buckets):
             if count_by_age[k]:
