@@ -29,7 +29,7 @@ from trl_gspo.async_trainer import _VersionedRolloutCollator  # noqa: E402
 EPS_LOW, EPS_HIGH = 3e-4, 4e-4
 
 
-def _trainer(tiny_moe_dir, tokenizer, tmp_path, samples=(), **config):
+def _trainer(tiny_moe_dir, tokenizer, tmp_path, samples=(), callbacks=None, **config):
     tokenizer = copy.deepcopy(tokenizer)
     tokenizer.padding_side = "left"
     args = AsyncGSPOConfig(**{**dict(output_dir=str(tmp_path), use_cpu=True, report_to="none", max_steps=1,
@@ -38,7 +38,7 @@ def _trainer(tiny_moe_dir, tokenizer, tmp_path, samples=(), **config):
                                      disable_tqdm=True), **config})
     return AsyncGSPOTrainer(model=str(tiny_moe_dir), reward_funcs=[], args=args, train_dataset=toy_dataset(4),
                             processing_class=tokenizer, rollout_worker=QueueWorker(samples),
-                            weight_transfer=NoWeightTransfer())
+                            weight_transfer=NoWeightTransfer(), callbacks=callbacks)
 
 
 # Two prompts; completions of the first share their first tokens (the trie forks inside the completion), one holds
@@ -239,13 +239,17 @@ def _rollout_samples(versions, group_size=4):
 
 @pytest.mark.parametrize("loss_type", ["gspo", "gspo_token", "grpo"])
 def test_trains_on_queued_samples_drops_stale_ones_and_logs_clipping_by_age(tiny_moe_dir, tokenizer, tmp_path,
-                                                                              loss_type):
+                                                                              loss_type, capsys):
     """Two optimizer steps of 8 samples. The trainer is at weight version 1 after its start-up sync, 2 after step 1.
     Version -5 samples are past max_staleness=2 and dropped (TRL's rule). The version 0 ones are trained at age 1,
-    then at age 2: the dataloader reads the second batch before step 1's weight sync, so age is taken when trained."""
+    then at age 2: the dataloader reads the second batch before step 1's weight sync, so age is taken when trained.
+    The run ends with the synchronous trainer's run summary and curves (what `trainer: async` recipes get)."""
+    from trl_gspo.launch.reporting import RunReportCallback
+
     versions = [-5, 0, 0, -5, 0, 0, 0, 0]
     trainer = _trainer(tiny_moe_dir, tokenizer, tmp_path, _rollout_samples(versions), loss_type=loss_type,
-                       max_steps=2, per_device_train_batch_size=8, max_staleness=2, router_aux_loss_coef=None)
+                       max_steps=2, per_device_train_batch_size=8, max_staleness=2, router_aux_loss_coef=None,
+                       callbacks=[RunReportCallback(plot=True)])
     before = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
     trainer.train()
     logs = [h for h in trainer.state.log_history if "loss" in h]
@@ -258,6 +262,10 @@ def test_trains_on_queued_samples_drops_stale_ones_and_logs_clipping_by_age(tiny
         ages = [sorted(k.rsplit("_", 1)[1] for k in h if k.startswith("gspo/clipped_sequence_fraction/")) for h in logs]
         assert ages == [["1"], ["2"]]
         assert {"gspo/ratio_mean", "gspo/clipped_token_fraction", "policy_loss", "aux_loss"} <= set(logs[0])
+    summary = capsys.readouterr().out
+    assert "trl-gspo run summary" in summary and "reward first -> last:  1.500 -> 1.500" in summary, summary
+    assert ("clipped by age:        1 version(s) old" in summary) == (loss_type != "grpo")
+    assert (tmp_path / "training_curves.png").stat().st_size > 0
 
 
 def test_config_presets_and_refusals(tmp_path):
@@ -314,3 +322,28 @@ def test_async_recipes_resolve_into_async_gspo_config_or_are_refused(tmp_path, c
         assert code == 0 and "AsyncGSPOTrainer" in out and "max_staleness=4" in out and "recipe is valid" in out
     else:
         assert code == 2 and f"`{option}" in err and ("Fix" in err or "unknown key" in err), err
+
+
+def test_async_recipes_end_with_the_run_summary_and_curves(monkeypatch, tmp_path):
+    """`trainer: async` builds AsyncGSPOTrainer with the synchronous trainer's RunReportCallback (`plot` as set)."""
+    import trl_gspo.async_trainer
+    from trl_gspo.launch import train
+    from trl_gspo.launch.reporting import RunReportCallback
+
+    built = {}
+
+    class Recorded:
+        def __init__(self, **kwargs):
+            built.update(kwargs)
+
+        def train(self, resume_from_checkpoint=None):
+            pass
+
+        save_model = save_state = lambda self, *args: None
+
+    monkeypatch.setattr(trl_gspo.async_trainer, "AsyncGSPOTrainer", Recorded)
+    args = AsyncGSPOConfig(output_dir=str(tmp_path), use_cpu=True, report_to="none")
+    model_args = type("ModelArgs", (), {"model_revision": "main", "use_peft": False})()
+    train._run_async("some/model", [], args, model_args, toy_dataset(4), {}, plot=False)
+    (callback,) = built["callbacks"]
+    assert isinstance(callback, RunReportCallback) and callback.plot is False

@@ -11,6 +11,10 @@ CLIP_KEYS = ("clip_ratio/region_mean", "gspo/clipped_token_fraction")
 # TRL's tool-loop metrics (`tools/call_frequency`: tool calls per completion, `tools/failure_frequency`: share of
 # calls that failed) and GSPOTrainer's model turns per completion; logged only by a run with tools.
 TOOL_KEYS = ("tools/call_frequency", "tools/failure_frequency", "tools/turns_mean")
+# AsyncGSPOTrainer's: clipped completions per sample age (`..._age_K`), and the share of completions whose decoupled
+# weight the cap truncated or masked (`staleness_correction`).
+AGE_PREFIX = "gspo/clipped_sequence_fraction/age_"
+WEIGHT_CAPPED_KEY = "gspo/behaviour_weight/capped_fraction"
 
 
 def _series(log_history: list[dict], key: str) -> tuple[list[int], list[float]]:
@@ -29,7 +33,17 @@ def summarize(log_history: list[dict]) -> dict:
     for key in TOOL_KEYS:  # first and last logging windows, as the reward
         _, values = _series(log_history, key)
         summary[f"{key}_first"], summary[f"{key}_last"] = (values[0], values[-1]) if values else (None, None)
+    # Asynchronous runs: clipped completions by the age they were trained at, and the decoupled objective's weights.
+    ages = sorted({key for entry in log_history for key in entry if key.startswith(AGE_PREFIX)},
+                  key=lambda key: int(key[len(AGE_PREFIX):]))
+    summary["clipped_by_age"] = {int(key[len(AGE_PREFIX):]): _mean(log_history, key) for key in ages}
+    summary[WEIGHT_CAPPED_KEY] = _mean(log_history, WEIGHT_CAPPED_KEY)
     return summary
+
+
+def _mean(log_history: list[dict], key: str) -> float | None:
+    _, values = _series(log_history, key)
+    return sum(values) / len(values) if values else None
 
 
 def plot_training_curves(log_history: list[dict], path: str, title: str = "") -> str:
@@ -99,6 +113,13 @@ class RunReportCallback(TrainerCallback):
                 f"  turns first -> last:   {fmt(summary['tools/turns_mean_first'])} -> "
                 f"{fmt(summary['tools/turns_mean_last'])}  (tools/turns_mean, model turns per completion)",
             ]
+        if summary["clipped_by_age"]:  # an asynchronous run
+            lines[-1:-1] = [
+                "  clipped by age:        " + ", ".join(f"{age} version(s) old {fmt(value)}" for age, value
+                                                       in summary["clipped_by_age"].items())
+                + "  (gspo/clipped_sequence_fraction/age_K)"]
+        if summary[WEIGHT_CAPPED_KEY] is not None:
+            lines[-1:-1] = [f"  weights capped:        {fmt(summary[WEIGHT_CAPPED_KEY])}  (mean {WEIGHT_CAPPED_KEY})"]
         lines += [f"  {note}" for note in self.notes]
         if self.plot:
             os.makedirs(args.output_dir, exist_ok=True)

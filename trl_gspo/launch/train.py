@@ -155,7 +155,7 @@ def run(script_args, training_args, model_args, dataset_args) -> "GSPOTrainer": 
 
     model = model_args.model_name_or_path
     if script_args.trainer == "async":
-        return _run_async(model, rewards, training_args, model_args, train_dataset, tools)
+        return _run_async(model, rewards, training_args, model_args, train_dataset, tools, script_args.plot)
     if model.startswith(BUILTIN_PREFIX):
         model = _prepare_builtin_model(script_args, training_args, model_args)
     model_init_kwargs = dict(revision=model_args.model_revision, trust_remote_code=training_args.trust_remote_code,
@@ -198,19 +198,21 @@ def run(script_args, training_args, model_args, dataset_args) -> "GSPOTrainer": 
     return trainer
 
 
-def _run_async(model: str, rewards, training_args, model_args, train_dataset, tools: dict):
+def _run_async(model: str, rewards, training_args, model_args, train_dataset, tools: dict, plot: bool = True):
     """`trainer: async`: AsyncGSPOTrainer against the vLLM server at `vllm_server_base_url`. TRL's asynchronous
     trainer loads the model itself (as `model_init_kwargs` say, with its tree attention) and reads checkpoints'
-    `rollout_state.json` on resume."""
+    `rollout_state.json` on resume. Ends with the same run summary and training curves as the synchronous trainer."""
     from trl import get_peft_config
 
     from ..async_trainer import AsyncGSPOTrainer
+    from .reporting import RunReportCallback
 
     model_init_kwargs = dict(revision=model_args.model_revision)  # dtype, trust_remote_code: the config's own keys
     model_init_kwargs.update(training_args.model_init_kwargs or {})
     training_args.model_init_kwargs = model_init_kwargs
     trainer = AsyncGSPOTrainer(model=model, reward_funcs=rewards, args=training_args, train_dataset=train_dataset,
-                               peft_config=get_peft_config(model_args), **tools)
+                               peft_config=get_peft_config(model_args), callbacks=[RunReportCallback(plot=plot)],
+                               **tools)
     trainer.train(resume_from_checkpoint=training_args.resume_from_checkpoint)
     trainer.save_model(training_args.output_dir)
     trainer.save_state()
