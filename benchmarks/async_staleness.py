@@ -49,6 +49,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 LOSSES = {"gspo": dict(loss_type="gspo"), "gspo_delta": dict(loss_type="gspo", delta=2.0),
           "gspo_wide": dict(loss_type="gspo", epsilon=3e-3, epsilon_high=4e-3),
+          "gspo_wide100": dict(loss_type="gspo", epsilon=3e-2, epsilon_high=4e-2),
           "gspo_r3": dict(loss_type="gspo", routing_replay="sampler"), "grpo": dict(loss_type="grpo"),
           # The decoupled objective (docs/gspo.md): the band against the trainer's weights, the sampler-to-trainer gap
           # as a length-normalised sequence weight, truncated at C = 2 or 1.1, or masked outside [1/1.1, 1.1].
