@@ -1,18 +1,28 @@
 """The TRL and transformers internals trl-gspo relies on, one test each (see docs/trl_contract.md).
 
 A TRL or transformers release that renames, moves or changes one of them fails here, with the internal named in
-the test, instead of silently changing what GSPOTrainer computes. Everything is checked against the installed
-versions, by signature where a signature is the contract and by running it where behaviour is.
+the test, instead of silently changing what GSPOTrainer or AsyncGSPOTrainer computes. Everything is checked against
+the installed versions, by signature where a signature is the contract and by running it where behaviour is.
 """
 
 from __future__ import annotations
 
+import asyncio
+import collections
+import copy
 import dataclasses
 import inspect
+import math
+import queue
 import re
+import types
+import typing
 
+import async_stand_ins
+import numpy as np
 import pytest
 import torch
+from async_stand_ins import NoWeightTransfer, QueueWorker
 from conftest import digit_reward, tiny_config, toy_dataset
 from transformers import Trainer, TrainingArguments
 from trl import GRPOConfig, GRPOTrainer
@@ -345,3 +355,608 @@ def test_gspo_trainer_subclasses_grpo_trainer():
     assert issubclass(GSPOTrainer, GRPOTrainer) and issubclass(GSPOConfig, GRPOConfig)
     # The arguments GSPOTrainer.__init__ forwards unchanged.
     assert _parameters(GRPOTrainer.__init__)[:4] == ["self", "model", "reward_funcs", "args"]
+
+
+# --------------------------------------------------------------------------- the asynchronous trainer
+# trl_gspo/async_trainer.py, async_routing.py, async_config.py and the test stand-ins build on TRL 1.16's
+# `trl.experimental.async_grpo`, which TRL marks unstable. Its modules are imported inside the tests, so a release that
+# moves one fails the tests that use it, by name, and leaves the pins above running.
+def _async_sample(ids, mask, group_id, advantage=1.0):
+    """One sample as TRL's queue reader yields it (`RolloutQueueDataset.__iter__`)."""
+    return {"input_ids": np.array(ids), "completion_mask": np.array(mask),
+            "old_log_probs": np.array([-0.5 * m for m in mask], dtype=np.float32), "advantage": advantage,
+            "group_id": group_id, "metrics": {}}
+
+
+def _tree_rows(*rows):
+    from trl.experimental.async_grpo.packing import TreeRow
+
+    built = []
+    for samples in rows:
+        built.append(TreeRow())
+        for sample in samples:
+            built[-1].add(sample)
+    return built
+
+
+# Two completions of one prompt that fork after two tokens, and a shorter sample of another group on a second row.
+_FORKED = (_async_sample([5, 6, 7, 8], [0, 0, 1, 1], 0), _async_sample([5, 6, 9], [0, 0, 1], 0, advantage=-1.0))
+_OTHER = (_async_sample([4, 3], [0, 1], 1),)
+
+# The packed batch's keys: what AsyncGSPOTrainer.compute_loss / _packed_forward / _count_step_tokens read.
+_ASYNC_BATCH_KEYS = {"input_ids", "position_ids", "shift_labels", "attention_mask", "token_index", "segment_id",
+                     "old_log_probs", "advantages", "tree_kv_index", "tree_cu_seqlens_q", "tree_cu_seqlens_k",
+                     "tree_max_seqlens", "global_n_tokens", "global_n_forward_tokens", "mean_seq_len"}
+
+
+@pytest.fixture(scope="module")
+def async_trainer(tmp_path_factory, tiny_moe_dir, tokenizer):
+    """A tiny AsyncGSPOTrainer (MoE: the router auxiliary loss is part of the contract) on a queue the test fills, with
+    no weight transfer and no server. TRL prices MFU from the CUDA device name at construction: None here, as TRL
+    returns for an unknown device (the stand-in's seam, patched for the construction only)."""
+    from trl.experimental.async_grpo import async_grpo_trainer
+
+    from trl_gspo import AsyncGSPOConfig, AsyncGSPOTrainer
+
+    tokenizer = copy.deepcopy(tokenizer)
+    tokenizer.padding_side = "left"
+    args = AsyncGSPOConfig(output_dir=str(tmp_path_factory.mktemp("async_contract")), use_cpu=True, report_to="none",
+                           max_steps=1, per_device_train_batch_size=2, num_generations=2, token_budget=0,
+                           save_strategy="no", disable_tqdm=True)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(async_grpo_trainer, "get_peak_flops_per_device", lambda accelerator, dtype: None)
+        return AsyncGSPOTrainer(model=str(tiny_moe_dir), reward_funcs=[], args=args, train_dataset=toy_dataset(4),
+                                processing_class=tokenizer, rollout_worker=QueueWorker(),
+                                weight_transfer=NoWeightTransfer())
+
+
+def test_async_names_imported_from_trl():
+    """Every name trl_gspo's asynchronous modules and the test stand-ins import from TRL, where they import it."""
+    import trl.experimental.async_grpo as package
+    from trl.experimental.async_grpo import async_grpo_trainer, async_rollout_worker, packing
+    from trl.trainer import utils
+
+    assert {"AsyncGRPOTrainer", "AsyncGRPOConfig"} <= set(vars(package))
+    for module, names in ((async_grpo_trainer, ("AsyncRolloutWorker", "DataCollatorForRollout", "FixedCountBatcher",
+                                                "RolloutQueueDataset", "TokenBudgetBatcher", "_EmptyIterableDataset",
+                                                "_reduce_metric", "get_peak_flops_per_device")),
+                          (async_rollout_worker, ("RolloutSample", "TrainingSequence", "RolloutGroup",
+                                                  "_AsyncRolloutLoop", "_common_prefix_len")),
+                          (packing, ("TreeRow", "_flash_attn", "tree_attention")),
+                          (utils, ("pad",))):
+        for name in names:
+            assert hasattr(module, name), f"{module.__name__}.{name}"
+
+
+def test_async_trainer_init_and_hooks_signatures():
+    """AsyncGSPOTrainer forwards `__init__`'s arguments positionally after `args`, calls these hooks with these
+    arguments and replaces `get_train_dataloader`. TRL scales its loss for gradient accumulation itself
+    (`loss_is_scaled_for_ga`), so transformers does not divide the loss AsyncGSPOTrainer returns; and transformers
+    fetches all micro-batches of an optimizer step through `get_batch_samples` before training the first, which is
+    where AsyncGSPOTrainer counts the step's completions."""
+    from accelerate.utils import broadcast_object_list
+    from trl.experimental.async_grpo import AsyncGRPOTrainer
+
+    assert _parameters(AsyncGRPOTrainer.__init__) == [
+        "self", "model", "reward_funcs", "args", "train_dataset", "processing_class", "callbacks", "optimizers",
+        "peft_config", "tools", "environment_factory", "rollout_worker", "weight_transfer"]
+    assert _parameters(AsyncGRPOTrainer.get_train_dataloader) == ["self"]
+    assert _parameters(AsyncGRPOTrainer._sync_weight) == ["self"]
+    assert _parameters(AsyncGRPOTrainer._set_signature_columns_if_needed) == ["self"]
+    assert _parameters(AsyncGRPOTrainer.training_step) == ["self", "model", "inputs", "num_items_in_batch"]
+    assert _parameters(AsyncGRPOTrainer.compute_loss) == ["self", "model", "inputs", "return_outputs",
+                                                          "num_items_in_batch"]
+    assert AsyncGRPOTrainer.loss_is_scaled_for_ga is True
+    assert _parameters(Trainer.get_batch_samples) == ["self", "epoch_iterator", "num_batches", "device"]
+    loop = inspect.getsource(Trainer._run_epoch)  # one epoch of transformers' training loop
+    assert "self.get_batch_samples(epoch_iterator, num_batches, self.args.device)" in loop
+    assert "self.current_gradient_accumulation_steps = len(batch_samples)" in loop
+    assert _parameters(broadcast_object_list)[:2] == ["object_list", "from_process"]
+
+
+def test_async_trainer_attributes_read_by_async_gspo(async_trainer):
+    """Set by AsyncGRPOTrainer.__init__ and read by AsyncGSPOTrainer (its dataloader, loss, step accounting and
+    weight-version tracking)."""
+    from trl.experimental.async_grpo import AsyncGRPOTrainer
+    from trl.experimental.async_grpo.vllm_client import VLLMClient
+
+    trainer = async_trainer
+    assert (trainer.epsilon_low, trainer.epsilon_high) == (trainer.args.epsilon, trainer.args.epsilon_high)
+    assert "args.epsilon_high if args.epsilon_high is not None else args.epsilon" in inspect.getsource(
+        AsyncGRPOTrainer.__init__)
+    text_config = trainer.model.config.get_text_config()
+    assert trainer.aux_loss_enabled is True and trainer.router_aux_loss_coef == text_config.router_aux_loss_coef
+    assert trainer.model_version == 0 and isinstance(trainer._trained_groups, set)
+    assert isinstance(trainer._metrics["train"], collections.defaultdict)
+    assert trainer.rollout_worker is not None and trainer.rollout_queue is trainer.rollout_worker.rollout_buffer
+    assert isinstance(trainer.vllm_client, VLLMClient)
+    assert callable(VLLMClient.wait_for_server_ready) and callable(VLLMClient.get_max_model_len)
+    assert hasattr(trainer, "_rollout_dataset")
+    for name in ("_step_forward_tokens", "_step_trained_tokens", "_step_seq_len_weighted", "_step_samples",
+                 "_step_forward_s"):
+        assert getattr(trainer, name) == 0.0, name
+    assert trainer.processing_class.pad_token_id is not None
+    assert isinstance(AsyncGRPOTrainer._tag_names, list) and isinstance(AsyncGRPOTrainer._name, str)  # model cards
+
+
+def test_async_step_accounting_flushed_by_log_step_metrics(async_trainer):
+    """AsyncGSPOTrainer adds each micro-batch's counts to TRL's `_step_*` counters as TRL's loss does; TRL's
+    `_log_step_metrics` turns them into its `perf/*` and `batch/*` metrics once per optimizer step and zeroes them,
+    flushes the queue reader's wait (`_rollout_dataset.wait_s`) and counts the step's prompt groups from
+    `_trained_groups`. MFU is skipped when the peak FLOPs are unknown (None)."""
+    from trl.experimental.async_grpo import AsyncGRPOTrainer
+
+    trainer = async_trainer
+    trainer.get_train_dataloader()  # sets `_rollout_dataset` (trl_gspo's reader)
+    trainer._rollout_dataset.wait_s = 0.25
+    trainer._trained_groups.update({0, 1, 2})
+    trainer._step_forward_tokens, trainer._step_trained_tokens = 12.0, 5.0
+    trainer._step_seq_len_weighted, trainer._step_samples, trainer._step_forward_s = 36.0, 4.0, 0.5
+    trainer._current_train_step_time = 1.0
+    metrics = trainer._metrics["train"]
+    try:
+        trainer._log_step_metrics()
+        assert metrics["batch/forwarded_tokens_per_step"][-1] == 12.0
+        assert metrics["batch/trained_tokens_per_step"][-1] == 5.0
+        assert metrics["batch/samples_per_step"][-1] == 4.0 and metrics["perf/fwd_s"][-1] == 0.5
+        assert metrics["perf/rollout_wait_s"][-1] == 0.25 and trainer._rollout_dataset.wait_s == 0.0
+        assert metrics["batch/groups_per_step"][-1] == 3.0
+        assert "perf/mfu_fwd_bwd" not in metrics and trainer._peak_flops_per_device is None
+        for name in ("_step_forward_tokens", "_step_trained_tokens", "_step_seq_len_weighted", "_step_samples",
+                     "_step_forward_s"):
+            assert getattr(trainer, name) == 0.0, name
+    finally:
+        trainer._trained_groups.clear()
+        trainer._last_groups_trained = 0
+        metrics.clear()
+    accounting = inspect.getsource(AsyncGRPOTrainer.compute_loss)
+    assert "self._step_samples += n_forward_tokens / mean_seq_len" in accounting
+    assert "self._step_forward_s += self._last_forward_time_s" in accounting
+    assert "self._step_seq_len_weighted += mean_seq_len * n_forward_tokens" in accounting
+
+
+def test_async_sync_weight_bumps_model_version(async_trainer, monkeypatch):
+    """TRL's `_sync_weight` streams the weights through the injected transfer under transformers' parameter names
+    (what tests/async_weight_files.py hands vLLM's `load_weights`) and then, on the main process only, adds one to
+    `model_version` and tells the rollout worker; AsyncGSPOTrainer broadcasts that version to every rank."""
+    from trl.experimental.async_grpo import AsyncGRPOTrainer
+
+    trainer = async_trainer
+    told, sent = [], []
+    monkeypatch.setattr(trainer.rollout_worker, "update_model_version", told.append)
+    monkeypatch.setattr(trainer.weight_transfer, "send_weights",
+                        lambda weights: sent.extend(name for name, _ in weights))
+    try:
+        AsyncGRPOTrainer._sync_weight(trainer)
+        assert trainer.model_version == 1 and told == [1]
+        assert sent == [name for name, parameter in trainer.model.named_parameters() if parameter.requires_grad]
+        trainer._sync_weight()
+        assert trainer.model_version == 2 and trainer._policy_version == 2
+    finally:
+        trainer.model_version = trainer._policy_version = 0
+        trainer._metrics["train"].clear()
+
+
+def test_async_set_signature_columns_are_the_packed_batch_keys(async_trainer):
+    """TRL sets `_signature_columns` to a list of the packed batch's keys, only while it is None; AsyncGSPOTrainer
+    appends its own keys to that list."""
+    from trl.experimental.async_grpo import AsyncGRPOTrainer
+
+    trainer = async_trainer
+    saved = trainer._signature_columns
+    try:
+        trainer._signature_columns = None
+        AsyncGRPOTrainer._set_signature_columns_if_needed(trainer)
+        assert isinstance(trainer._signature_columns, list) and set(trainer._signature_columns) == _ASYNC_BATCH_KEYS
+        trainer._set_signature_columns_if_needed()
+        assert {"segment_version", "global_n_sequences", "routes", "routed"} <= set(trainer._signature_columns)
+    finally:
+        trainer._signature_columns = saved
+
+
+def test_async_dataloader_pipeline_mirrored():
+    """AsyncGSPOTrainer.get_train_dataloader rebuilds TRL's pipeline (queue reader -> planner -> packer) with its own
+    reader and packer: TRL's must still be that pipeline, built from these arguments."""
+    from trl.experimental.async_grpo import AsyncGRPOTrainer
+
+    source = inspect.getsource(AsyncGRPOTrainer.get_train_dataloader)
+    for fragment in ("RolloutQueueDataset(", "model_version_fn=lambda: self.model_version",
+                     "check_health_fn=self.rollout_worker.check_health",
+                     "stale_after_s=self.args.heartbeat_stale_after_s", "max_staleness=self.args.max_staleness",
+                     "self._rollout_dataset = dataset", "if self.args.token_budget is None:",
+                     "self.args.token_budget = self.vllm_client.get_max_model_len()",
+                     "if self.args.token_budget > 0:",
+                     "TokenBudgetBatcher(dataset, num_processes, self.args.token_budget, self._metrics[\"train\"])",
+                     "self.args.per_device_train_batch_size * num_processes", "_EmptyIterableDataset()",
+                     "batch_size=1", "groups_trained=self._trained_groups",
+                     "token_budget=max(self.args.token_budget or 0, 0)", "num_workers=0"):
+        assert fragment in source, fragment
+
+
+def test_async_compute_loss_forward_mirrored():
+    """AsyncGSPOTrainer._packed_forward calls the model as TRL's loss does: TRL's padding stripped by
+    `attention_mask`, tree indices by `>= 0`, the fused LM head, router logits when the aux loss is on, and the
+    per-target log-probs and entropies taken at `token_index`."""
+    from trl.experimental.async_grpo import AsyncGRPOTrainer
+
+    source = inspect.getsource(AsyncGRPOTrainer.compute_loss)
+    for fragment in ('inputs["input_ids"][mask_bool].unsqueeze(0)', 'selected = inputs["token_index"] >= 0',
+                     "inputs[key][inputs[key] >= 0]", 'inputs["tree_max_seqlens"][0].tolist()', "fused_lm_head=True",
+                     '{"output_router_logits": True} if self.aux_loss_enabled',
+                     "outputs.log_probs.flatten()[token_index]", "outputs.entropy.flatten()[token_index]",
+                     "self._last_forward_time_s = time.time() - forward_start",
+                     "self.router_aux_loss_coef * aux_loss / self.current_gradient_accumulation_steps"):
+        assert fragment in source, fragment
+
+
+def test_async_model_forward_outputs(async_trainer, monkeypatch):
+    """The model TRL builds (tree attention, fused LM head, MoE) takes the packed row with the keyword arguments
+    AsyncGSPOTrainer passes and returns per-position `log_probs` and `entropy` and an `aux_loss`."""
+    from trl.experimental.async_grpo import packing
+
+    monkeypatch.setattr(packing, "_flash_attn", lambda: types.SimpleNamespace(
+        flash_attn_varlen_func=async_stand_ins.flash_attn_varlen_func))
+    collator = _async_collator()
+    batch = collator([_tree_rows(_FORKED)])
+    tree = {key: batch[key][0] for key in ("tree_kv_index", "tree_cu_seqlens_q", "tree_cu_seqlens_k")}
+    tree["tree_max_seqlen_q"], tree["tree_max_seqlen_k"] = batch["tree_max_seqlens"][0].tolist()
+    with torch.no_grad():
+        outputs = async_trainer.model(input_ids=batch["input_ids"], position_ids=batch["position_ids"],
+                                      shift_labels=batch["shift_labels"], fused_lm_head=True, output_router_logits=True,
+                                      **tree)
+    n = batch["input_ids"].shape[1]
+    assert outputs.log_probs.shape == outputs.entropy.shape == (1, n)
+    trained = outputs.log_probs.flatten()[batch["token_index"][0]]
+    assert torch.isfinite(trained).all() and (trained <= 0).all()
+    assert (outputs.entropy.flatten()[batch["token_index"][0]] >= 0).all()
+    assert outputs.aux_loss.ndim == 0 and torch.isfinite(outputs.aux_loss)
+
+
+def test_async_tree_attention_seam(monkeypatch):
+    """tests/async_stand_ins.py replaces FlashAttention-3 at `packing._flash_attn`: TRL's `tree_attention` looks it up
+    there on every call and calls its `flash_attn_varlen_func` with the gathered path keys, FlashAttention's varlen
+    arguments and these keywords. Through the stand-in, a forked sample's tokens attend exactly to their own path."""
+    from trl.experimental.async_grpo import packing
+
+    calls = []
+
+    def recording(*args, **kwargs):
+        calls.append((len(args), set(kwargs)))
+        return async_stand_ins.flash_attn_varlen_func(*args, **kwargs)
+
+    monkeypatch.setattr(packing, "_flash_attn", lambda: types.SimpleNamespace(flash_attn_varlen_func=recording))
+    (row,) = _tree_rows(_FORKED)
+    packed = row.pack()
+    n, heads, dim = len(packed["input_ids"]), 2, 4
+    generator = torch.Generator().manual_seed(0)
+    query, key, value = (torch.randn(1, heads, n, dim, dtype=torch.float64, generator=generator) for _ in range(3))
+    (max_q, max_k) = packed["tree_max_seqlens"].tolist()
+    out, weights = packing.tree_attention(None, query, key, value, None, tree_kv_index=packed["tree_kv_index"],
+                                          tree_cu_seqlens_q=packed["tree_cu_seqlens_q"],
+                                          tree_cu_seqlens_k=packed["tree_cu_seqlens_k"], tree_max_seqlen_q=max_q,
+                                          tree_max_seqlen_k=max_k, scaling=0.5)
+    assert calls == [(7, {"softmax_scale", "causal", "window_size"})] and weights is None
+    assert out.shape == (1, n, heads, dim)
+    stand_in = set(_parameters(async_stand_ins.flash_attn_varlen_func))
+    assert {"softmax_scale", "causal", "window_size", "softcap"} <= stand_in
+    # The second sample's path: the shared prompt token, then its own branch, packed after the first sample's.
+    order = _packed_order(row)
+    positions = torch.tensor([order.index(node) for node in row.sample_nodes[1]])
+    expected = torch.nn.functional.scaled_dot_product_attention(
+        query[0][:, positions], key[0][:, positions], value[0][:, positions], is_causal=True, scale=0.5)
+    torch.testing.assert_close(out[0, positions].transpose(0, 1), expected)
+    assert "_flash_attn().flash_attn_varlen_func(" in inspect.getsource(packing.tree_attention)
+
+
+def _packed_order(row):
+    """The trie nodes in TRL's packed order: `TreeRow.pack` with the node ids as tokens (as trl_gspo.async_routing
+    packs them)."""
+    tokens, row.tokens = row.tokens, list(range(len(row.tokens)))
+    try:
+        return row.pack()["input_ids"].tolist()
+    finally:
+        row.tokens = tokens
+
+
+def test_async_peak_flops_seam():
+    """The other stand-in: AsyncGRPOTrainer.__init__ looks `get_peak_flops_per_device(accelerator, dtype)` up in its
+    module at call time (it reads the CUDA device name); TRL itself answers None for a device it does not know, and
+    then leaves MFU out."""
+    from trl.experimental.async_grpo import AsyncGRPOTrainer, async_grpo_trainer
+    from trl.trainer.utils import get_peak_flops, get_peak_flops_per_device
+
+    assert _parameters(get_peak_flops_per_device) == ["accelerator", "dtype"]
+    assert "self._peak_flops_per_device = get_peak_flops_per_device(self.accelerator, dtype)" in inspect.getsource(
+        AsyncGRPOTrainer.__init__)
+    assert "torch.cuda.get_device_name" in inspect.getsource(get_peak_flops_per_device)
+    assert get_peak_flops("An Accelerator TRL Does Not Know", "bfloat16") is None
+    assert "if self._peak_flops_per_device is not None:" in inspect.getsource(AsyncGRPOTrainer._log_step_metrics)
+    assert hasattr(async_grpo_trainer, "get_peak_flops_per_device")
+
+
+def test_async_worker_and_weight_transfer_protocols():
+    """The stand-ins implement TRL's `RolloutWorkerProtocol` (tests' QueueWorker) and `WeightTransferProtocol`
+    (NoWeightTransfer, tests/async_weight_files.py's FileWeightTransfer), method by method with TRL's parameters;
+    TRL takes both injected and reads the worker's `rollout_buffer` as its rollout queue."""
+    from async_weight_files import FileWeightTransfer
+    from trl.experimental.async_grpo import AsyncGRPOTrainer
+    from trl.experimental.async_grpo.async_grpo_trainer import RolloutWorkerProtocol, WeightTransferProtocol
+
+    def methods(protocol):
+        return {name: _parameters(value) for name, value in vars(protocol).items()
+                if callable(value) and not name.startswith("_")}
+
+    worker = methods(RolloutWorkerProtocol)
+    assert set(worker) == {"start", "stop", "update_model_version", "check_health"}
+    assert set(RolloutWorkerProtocol.__annotations__) == {"rollout_buffer", "metrics_queue"}
+    queue_worker = QueueWorker()
+    assert hasattr(queue_worker, "rollout_buffer") and hasattr(queue_worker, "metrics_queue")
+    for name, parameters in worker.items():
+        assert len(_parameters(getattr(QueueWorker, name))) == len(parameters), name
+    transfer = methods(WeightTransferProtocol)
+    assert set(transfer) == {"init_weight_transfer", "pause", "send_weights", "resume", "destroy"}
+    for implementation in (NoWeightTransfer, FileWeightTransfer):
+        for name, parameters in transfer.items():
+            assert len(_parameters(getattr(implementation, name))) == len(parameters), (implementation, name)
+    source = inspect.getsource(AsyncGRPOTrainer.__init__)
+    assert "self.rollout_queue = self.rollout_worker.rollout_buffer" in source
+    assert "self.weight_transfer = weight_transfer" in source and "self.rollout_worker = rollout_worker" in source
+
+
+def test_async_rollout_queue_dataset_reader():
+    """trl_gspo's reader subclasses TRL's `RolloutQueueDataset` with these keyword arguments and wraps its `queue`:
+    TRL reads the queue only through `get(timeout=...)` and `qsize()`, drops a sample more than `max_staleness`
+    versions behind `model_version_fn()`, and yields each kept sample (these keys) right after reading it, so the
+    last sample read is the one yielded."""
+    from trl.experimental.async_grpo.async_grpo_trainer import RolloutQueueDataset
+    from trl.experimental.async_grpo.async_rollout_worker import RolloutSample
+
+    from trl_gspo.async_trainer import _RecordingQueue
+
+    assert _parameters(RolloutQueueDataset.__init__) == [
+        "self", "rollout_queue", "model_version_fn", "check_health_fn", "stale_after_s", "metrics", "max_staleness",
+        "poll_interval_s", "report_to"]
+    samples = [RolloutSample(prompt=[], completion=[], input_ids=np.array([1, 2, 3]),
+                             completion_mask=np.array([0, 1, 1]), old_log_probs=np.zeros(3, dtype=np.float32),
+                             advantage=0.5, model_version=version, group_id=version, metrics={})
+               for version in (0, 2)]
+    rollout_queue = queue.Queue()
+    for sample in samples:
+        rollout_queue.put(sample)
+    recording = _RecordingQueue(rollout_queue)
+    metrics = collections.defaultdict(list)
+    reader = RolloutQueueDataset(recording, model_version_fn=lambda: 2, check_health_fn=lambda stale_after_s: None,
+                                 stale_after_s=60.0, metrics=metrics, max_staleness=1, report_to=[])
+    assert reader.queue is recording and reader.wait_s == 0.0
+    item = next(iter(reader))
+    assert recording.last is samples[1] and item["group_id"] == 2
+    assert set(item) == {"input_ids", "completion_mask", "old_log_probs", "advantage", "group_id", "metrics"}
+    assert metrics["sample/dropped_stale_total"] == [1.0]
+
+
+def test_async_batchers_and_empty_dataset():
+    """The planners AsyncGSPOTrainer builds, with these arguments: each yields one micro-batch as a list of
+    `num_processes` non-empty `TreeRow`s; `_EmptyIterableDataset()` stands in on the other ranks."""
+    from trl.experimental.async_grpo.async_grpo_trainer import (
+        FixedCountBatcher,
+        TokenBudgetBatcher,
+        _EmptyIterableDataset,
+    )
+    from trl.experimental.async_grpo.packing import TreeRow
+
+    assert _parameters(TokenBudgetBatcher.__init__) == ["self", "dataset", "num_processes", "token_budget", "metrics"]
+    assert _parameters(FixedCountBatcher.__init__) == ["self", "dataset", "num_processes", "microbatch_size"]
+    samples = [*_FORKED, *_OTHER, _async_sample([7, 7, 7], [0, 1, 1], 2)]
+    (rows,) = list(FixedCountBatcher(samples, 2, 4))
+    assert len(rows) == 2 and all(isinstance(row, TreeRow) and row.samples for row in rows)
+    assert sum(len(row.samples) for row in rows) == 4
+    rows = next(iter(TokenBudgetBatcher(samples, 1, 5, collections.defaultdict(list))))
+    assert len(rows) == 1 and isinstance(rows[0], TreeRow) and len(rows[0].tokens) <= 5
+    assert list(_EmptyIterableDataset()) == []
+
+
+def test_async_tree_row_fields_and_pack():
+    """trl_gspo.async_routing.packed_routes reads `TreeRow.tokens`, `sample_nodes`, `samples` and packs the node ids in
+    place of the tokens to learn the packed order: `pack()` lays `tokens` out by node, so the packed `input_ids` are
+    the tokens in that order. `segment_id` numbers the row's samples in `samples` order (the collator's
+    `segment_version`), and each target's label sits at its `token_index`."""
+    from trl.experimental.async_grpo.packing import TreeRow
+
+    (row,) = _tree_rows(_FORKED)
+    assert isinstance(row, TreeRow) and row.samples == list(_FORKED) and row.groups == {0}
+    assert [len(nodes) for nodes in row.sample_nodes] == [4, 3]
+    assert row.sample_nodes[0][:1] == row.sample_nodes[1][:1]  # the shared prompt token is one node
+    packed = row.pack()
+    assert set(packed) == _ASYNC_BATCH_KEYS - {"attention_mask", "global_n_tokens", "global_n_forward_tokens",
+                                               "mean_seq_len"}
+    order = _packed_order(row)
+    assert sorted(order) == list(range(len(row.tokens)))
+    assert [row.tokens[node] for node in order] == packed["input_ids"].tolist()
+    trained = [int(sample["completion_mask"].sum()) for sample in row.samples]
+    assert packed["segment_id"].tolist() == [i for i, count in enumerate(trained) for _ in range(count)]
+    targets = [t for sample in row.samples for t, m in zip(sample["input_ids"], sample["completion_mask"]) if m]
+    assert packed["shift_labels"][packed["token_index"]].tolist() == targets
+    assert packed["advantages"].tolist() == [1.0, 1.0, -1.0]
+
+
+def _async_collator(num_processes=1, **kwargs):
+    from trl.experimental.async_grpo.async_grpo_trainer import DataCollatorForRollout
+
+    return DataCollatorForRollout(0, num_processes, **kwargs)
+
+
+def test_async_data_collator_fields_and_batch():
+    """trl_gspo's packer subclasses TRL's `DataCollatorForRollout` (fields in this order, the first two given
+    positionally), calls it on `[rows]` and reads the packed batch: these keys, rows padded on the right (so
+    `attention_mask` strips the padding and keeps positions), -1 where a padded index must be dropped, per-rank copies
+    of the micro-batch's counts. It hands TRL's `groups_trained` an object with only `update`, called once per
+    micro-batch with its group ids."""
+    from trl.experimental.async_grpo.async_grpo_trainer import DataCollatorForRollout
+
+    assert [f.name for f in dataclasses.fields(DataCollatorForRollout)] == [
+        "pad_token_id", "num_processes", "return_tensors", "groups_trained", "metrics", "token_budget"]
+
+    class Groups:
+        def __init__(self):
+            self.updates = []
+
+        def update(self, groups):
+            self.updates.append(set(groups))
+
+    groups, metrics = Groups(), collections.defaultdict(list)
+    batch = _async_collator(2, groups_trained=groups, metrics=metrics, token_budget=0)([_tree_rows(_FORKED, _OTHER)])
+    assert set(batch) == _ASYNC_BATCH_KEYS and groups.updates == [{0, 1}]
+    assert batch["attention_mask"].tolist() == [[1] * 6, [1, 1, 0, 0, 0, 0]]
+    assert batch["input_ids"].shape == (2, 6) and batch["tree_max_seqlens"].shape == (2, 2)
+    for key in ("token_index", "tree_kv_index", "tree_cu_seqlens_q", "tree_cu_seqlens_k"):
+        assert (batch[key][1] == -1).any(), key  # the shorter row's padding
+        assert (batch[key][0] >= 0).all(), key
+    assert batch["global_n_tokens"].tolist() == [4.0, 4.0]
+    assert batch["global_n_forward_tokens"].tolist() == [8.0, 8.0]
+    assert batch["mean_seq_len"].tolist() == pytest.approx([8 / 3] * 2)
+    assert metrics["batch/samples_per_row"] == [1.5]
+
+
+def test_async_rollout_sample_and_training_sequence_fields():
+    """RoutedRolloutSample subclasses TRL's `RolloutSample` (slots) and copies it field by field; RoutedRolloutLoop sets
+    a `routes` attribute on TRL's `TrainingSequence`s, which have no slots, and reads
+    `RolloutGroup.completions_sequences`."""
+    from trl.experimental.async_grpo.async_rollout_worker import RolloutGroup, RolloutSample, TrainingSequence
+
+    assert [f.name for f in dataclasses.fields(RolloutSample)] == [
+        "prompt", "completion", "input_ids", "completion_mask", "old_log_probs", "advantage", "model_version",
+        "group_id", "metrics", "enqueued_at"]
+    assert hasattr(RolloutSample, "__slots__")
+    assert [f.name for f in dataclasses.fields(TrainingSequence)] == [
+        "input_ids", "completion_mask", "old_log_probs", "rollout_id"]
+    sequence = TrainingSequence([1, 2], [0, 1], [0.0, -1.0], "r")
+    sequence.routes = None
+    assert "completions_sequences" in {f.name for f in dataclasses.fields(RolloutGroup)}
+
+
+def test_async_rollout_loop_methods_routed_loop_overrides():
+    """RoutedRolloutLoop overrides `_post`, `_generate_one` and `_score_group` of TRL's `_AsyncRolloutLoop` and is
+    installed as `AsyncRolloutWorker._loop_cls`, which the worker's child process instantiates. Each conversation is
+    its own asyncio task (the turns' context variable is per conversation), its turns go through `_post` to
+    `/v1/completions` with `prompt` the turn's token ids, and `_generate_one` returns the training sequences third."""
+    from trl.experimental.async_grpo.async_rollout_worker import (
+        AsyncRolloutWorker,
+        TrainingSequence,
+        _AsyncRolloutLoop,
+        _child_main,
+    )
+
+    assert _parameters(_AsyncRolloutLoop._post) == ["self", "path", "payload", "timeout", "max_retries"]
+    assert inspect.signature(_AsyncRolloutLoop._post).parameters["max_retries"].default == 3
+    assert _parameters(_AsyncRolloutLoop._generate_one) == ["self", "prompt", "tool_dict", "tools", "group_id"]
+    assert _parameters(_AsyncRolloutLoop._score_group) == ["self", "group"]
+    for name in ("_post", "_generate_one", "_score_group"):
+        assert inspect.iscoroutinefunction(getattr(_AsyncRolloutLoop, name)), name
+    returned = typing.get_args(inspect.signature(_AsyncRolloutLoop._generate_one).return_annotation)
+    assert len(returned) == 6 and returned[2] == list[TrainingSequence]
+    assert AsyncRolloutWorker._loop_cls is _AsyncRolloutLoop
+    assert "self._loop_cls," in inspect.getsource(AsyncRolloutWorker.start)
+    assert "rollout_loop = loop_cls(" in inspect.getsource(_child_main)
+    generate = inspect.getsource(_AsyncRolloutLoop._generate_loop)
+    assert re.search(r"asyncio\.create_task\(\s*self\._generate_one\(", generate)
+    turn = inspect.getsource(_AsyncRolloutLoop._generate_one_turn)
+    assert '"prompt": prompt_ids' in turn and 'self._post("/v1/completions", payload' in turn
+    assert 'choice["token_ids"]' in turn
+    assert "await self._generate_one_turn(prompt_ids)" in inspect.getsource(_AsyncRolloutLoop._generate_one)
+
+
+def test_async_score_group_keeps_sequence_order():
+    """RoutedRolloutLoop pairs TRL's scored samples with the group's training sequences by position: TRL's
+    `_score_group` returns one sample per sequence, conversation by conversation, in `completions_sequences` order."""
+    from trl.experimental.async_grpo.async_rollout_worker import RolloutGroup, TrainingSequence, _AsyncRolloutLoop
+
+    conversations = [[TrainingSequence([1, 2], [0, 1], [0.0, -1.0], "a"),
+                      TrainingSequence([1, 3], [0, 1], [0.0, -1.0], "a")],
+                     [TrainingSequence([1, 4, 5], [0, 1, 1], [0.0, -1.0, -1.0], "b")]]
+    group = RolloutGroup(prompts=[[], []], reward_kwargs={}, completions=[[], []], completions_ids=[[2], [4, 5]],
+                         completions_sequences=conversations, tool_call_counts=[0, 0], tool_failure_counts=[0, 0],
+                         model_version=3, group_id=7, env_rewards=[None, None], rollout_rewards=[None, None])
+    def length(completion_ids, **kwargs):
+        return [float(len(ids)) for ids in completion_ids]
+
+    loop = types.SimpleNamespace(reward_funcs=[length], reward_func_names=["length"], _env_reward_types=[],
+                                 _provides_rollout_reward=False)
+    samples = asyncio.run(_AsyncRolloutLoop._score_group(loop, group))
+    assert [s.input_ids.tolist() for s in samples] == [[1, 2], [1, 3], [1, 4, 5]]
+    assert samples[0].advantage == samples[1].advantage < samples[2].advantage  # one advantage per conversation
+    assert {(s.model_version, s.group_id) for s in samples} == {(3, 7)}
+
+
+def test_async_common_prefix_len():
+    """trl_gspo.async_routing.stitch_turn_routes calls TRL's `_common_prefix_len(a, b)` (the rollout worker's drift
+    check): the number of equal leading tokens."""
+    from trl.experimental.async_grpo.async_rollout_worker import _common_prefix_len
+
+    assert _parameters(_common_prefix_len) == ["a", "b", "chunk"]
+    assert _common_prefix_len([1, 2, 3], [1, 2, 4]) == 2 and _common_prefix_len([1, 2], [1, 2, 3]) == 2
+    assert _common_prefix_len([], [1]) == 0 and _common_prefix_len([5], [6]) == 0
+    assert _common_prefix_len(list(range(10)), [*range(7), 0, 0, 0], chunk=4) == 7
+
+
+def test_async_reduce_metric():
+    """AsyncGSPOTrainer logs means as (sum, count) rates and names its extremes with a `max` / `min` word in the key's
+    last path part: TRL's logger reduces each key's window by that shape and word (`_reduce_metric`, from `log`)."""
+    from trl.experimental.async_grpo import AsyncGRPOTrainer
+    from trl.experimental.async_grpo.async_grpo_trainer import _reduce_metric
+
+    assert _reduce_metric("gspo/behaviour_weight/mean", [(1.0, 2.0), (5.0, 2.0)]) == 1.5
+    assert math.isnan(_reduce_metric("gspo/clipped_sequence_fraction/age_1", [(0.0, 0.0)]))
+    assert _reduce_metric("gspo/ratio_max", [1.0, 3.0, 2.0]) == 3.0
+    assert _reduce_metric("gspo/behaviour_weight/max_age_2", [1.0, 3.0]) == 3.0
+    assert _reduce_metric("gspo/log_ratio_abs_max", [0.5, 0.25]) == 0.5
+    assert _reduce_metric("clip_ratio/low_min", [0.5, 0.25]) == 0.25
+    assert _reduce_metric("sample/dropped_stale_total", [1.0, 1.0, 1.0]) == 3.0
+    assert _reduce_metric("max_x/gauge", [1.0, 3.0]) == 2.0 and _reduce_metric("gspo/ratio_std", [1.0, 3.0]) == 2.0
+    assert "_reduce_metric(key, valid)" in inspect.getsource(AsyncGRPOTrainer.log)
+
+
+def test_async_trained_groups_and_resume_position():
+    """TRL counts the prompt groups trained in `_trained_groups` (its packer adds to it; AsyncGSPOTrainer adds a
+    micro-batch's groups when it trains it), saves the first group not in it as the checkpoint's prompt position, and
+    restarts the rollout worker there on resume; the epoch stop and `batch/groups_per_step` count it too."""
+    from trl.experimental.async_grpo import AsyncGRPOTrainer
+    from trl.experimental.async_grpo.async_grpo_trainer import _EpochStopCallback
+
+    save = inspect.getsource(AsyncGRPOTrainer._save_checkpoint)
+    assert "trained = self._trained_groups" in save
+    assert "next(g for g in itertools.count() if g not in trained)" in save and '"prompt_index": prompt_index' in save
+    resume = inspect.getsource(AsyncGRPOTrainer._inner_training_loop)
+    assert 'self.rollout_worker._loop_kwargs["dataset_start_index"] = rollout_state["prompt_index"]' in resume
+    assert "len(self._trainer._trained_groups)" in inspect.getsource(_EpochStopCallback.on_step_end)
+
+
+def test_async_grpo_config_fields_async_gspo_builds_on():
+    """AsyncGSPOConfig overrides TRL's `epsilon` / `epsilon_high` defaults (its 'grpo' defaults are TRL's: 0.2, and
+    `epsilon_high` unset meaning `epsilon`), adds fields TRL does not have, and reads these of TRL's. TRL's
+    `__post_init__` makes the main process drive and dispatch the batches, which is why the packer repeats its counts
+    per rank."""
+    from trl.experimental.async_grpo import AsyncGRPOConfig
+
+    from trl_gspo import AsyncGSPOConfig
+
+    trl_fields = {f.name: f for f in dataclasses.fields(AsyncGRPOConfig)}
+    assert trl_fields["epsilon"].default == 0.2 and trl_fields["epsilon_high"].default is None
+    assert trl_fields["max_staleness"].default == 4 and trl_fields["token_budget"].default is None
+    assert {"heartbeat_stale_after_s", "router_aux_loss_coef", "per_device_train_batch_size", "report_to",
+            "num_generations", "weight_sync_steps"} <= set(trl_fields)
+    own = {f.name for f in dataclasses.fields(AsyncGSPOConfig)} - set(trl_fields)
+    assert own == {"loss_type", "routing_replay", "delta", "staleness_correction", "staleness_weight_cap"}
+    args = AsyncGRPOConfig(output_dir="unused", use_cpu=True, report_to="none")
+    assert args.accelerator_config.dispatch_batches is True and args.accelerator_config.split_batches is True
+
+
+def test_async_pad_and_accelerate_collectives():
+    """trl.trainer.utils.pad pads a list of tensors on the right (the packer's route and version columns);
+    AsyncGSPOTrainer's metrics use accelerate's `reduce`, `pad_across_processes` and `gather` with these arguments."""
+    from accelerate import Accelerator
+    from trl.trainer.utils import pad
+
+    assert pad([torch.tensor([1, 2]), torch.tensor([3])], padding_value=-1).tolist() == [[1, 2], [3, -1]]
+    assert _parameters(Accelerator.reduce)[:3] == ["self", "tensor", "reduction"]
+    assert _parameters(Accelerator.pad_across_processes)[:4] == ["self", "tensor", "dim", "pad_index"]
+    assert _parameters(Accelerator.gather)[:2] == ["self", "tensor"]
