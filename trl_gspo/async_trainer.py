@@ -9,8 +9,10 @@ rows, where one row holds many completions told apart by `segment_id`:
     s_i = exp( (1/|y_i|) sum_t log pi_theta(y_i,t) / pi_old(y_i,t) )     over completion i's trained tokens only
 
 so tool results and other context (TRL's `completion_mask` 0) never enter `|y_i|`. The objective is a plain mean over
-the completions of a micro-batch (every rank's), as the synchronous `GSPOTrainer` takes it over its micro-batch. The
-math is `trl_gspo.losses.gspo_packed_loss`; this module only wires it into TRL and logs the same `gspo/*` metrics as
+the completions of an optimizer step (every rank's, every micro-batch's), whatever TRL's token-budget packer put in
+each micro-batch. With `staleness_correction`, the decoupled objective (`trl_gspo.losses.decoupled_gspo_loss`): the
+band against the trainer's own weights, the sampler's distance as a capped sequence weight. The math is
+`trl_gspo.losses.gspo_packed_loss`; this module only wires it into TRL and logs the same `gspo/*` metrics as
 `GSPOTrainer`, plus the share of completions whose ratio was clipped by sample age (weight versions behind the
 policy when trained): `gspo/clipped_sequence_fraction/age_K`. `loss_type="grpo"` is TRL's own loss, untouched.
 
