@@ -143,6 +143,13 @@ def test_server_routes_runs_the_route_path_with_and_without_routes(tmp_path):
     assert re.fullmatch(rf"route_path: small:1 {figures} small:2 {figures}", lines[-1]), lines[-1]
 
 
+def test_async_route_wire_compares_json_and_frame_side_by_side():
+    lines = _run(BENCHMARKS / "async_route_wire.py", "--layers", "4", "--sample-tokens", "64", "--prompt-tokens", "16",
+                 "--group", "2", "--repeats", "1")
+    assert re.fullmatch(r"async_route_wire: \d+\.\d+ bytes, \d+\.\d+ decode \(json / frame\)", lines[-1]), lines[-1]
+    assert any(line.startswith("RoutedRolloutLoop._post over loopback") for line in lines)
+
+
 def test_sampler_likelihoods_compares_both_sources_of_pi_old(tmp_path):
     lines = _run(BENCHMARKS / "sampler_likelihoods.py", "--samplers", "hf", "--seeds", "1", "--steps", "8",
                  "--sft-steps", "20", "--cache", tmp_path)

@@ -865,6 +865,39 @@ def test_async_rollout_loop_methods_routed_loop_overrides():
     assert "await self._generate_one_turn(prompt_ids)" in inspect.getsource(_AsyncRolloutLoop._generate_one)
 
 
+def test_async_rollout_loop_http_call_routed_loop_replaces():
+    """RoutedRolloutLoop makes `/v1/completions` calls itself (to ask for the route frame and read it), as TRL's
+    `_post` does: on TRL's aiohttp `session` (opened in `_run_loops`), at `vllm_server_url` (no trailing slash) plus
+    the path, the payload as JSON, inside TRL's `_retry(coro_factory, *, label, max_attempts)`, which retries
+    transport errors only (a refused frame, a ValueError, is raised at once). TRL's `_generate_one_turn` reads the
+    choice's `token_ids` and `logprobs.token_logprobs` from the dict `_post` returns."""
+    import asyncio
+    import collections
+
+    from trl.experimental.async_grpo.async_rollout_worker import _AsyncRolloutLoop
+
+    retry = inspect.signature(_AsyncRolloutLoop._retry).parameters
+    assert list(retry) == ["self", "coro_factory", "label", "max_attempts"]
+    assert retry["label"].kind is retry["max_attempts"].kind is inspect.Parameter.KEYWORD_ONLY
+    assert inspect.iscoroutinefunction(_AsyncRolloutLoop._retry)
+    post = inspect.getsource(_AsyncRolloutLoop._post)
+    assert "self.session.post(" in post and 'f"{self.vllm_server_url}{path}", json=payload' in post
+    assert "self.session = session" in inspect.getsource(_AsyncRolloutLoop._run_loops)
+    assert 'self.vllm_server_url = vllm_server_url.rstrip("/")' in inspect.getsource(_AsyncRolloutLoop.__init__)
+    turn = inspect.getsource(_AsyncRolloutLoop._generate_one_turn)
+    assert 'choice = output["choices"][0]' in turn and 'choice["logprobs"]["token_logprobs"]' in turn
+
+    pytest.importorskip("aiohttp")  # TRL defines the retried errors only where aiohttp is installed
+    loop, calls = _AsyncRolloutLoop.__new__(_AsyncRolloutLoop), []
+    loop._counters = collections.Counter()
+
+    async def refused():
+        calls.append(1)
+        raise ValueError("a refused route frame")
+
+    with pytest.raises(ValueError, match="refused route frame"):
+        asyncio.run(loop._retry(refused, label="POST /v1/completions", max_attempts=3))
+    assert calls == [1] and not loop._counters
 def test_async_score_group_keeps_sequence_order():
     """RoutedRolloutLoop pairs TRL's scored samples with the group's training sequences by position: TRL's
     `_score_group` returns one sample per sequence, conversation by conversation, in `completions_sequences` order."""

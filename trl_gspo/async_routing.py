@@ -5,11 +5,13 @@ The server returns them when started by `trl-gspo vllm-serve` (vLLM's `--enable-
 `/v1/completions` choice then carries `routed_experts`, `[prompt + completion - 1, layers, top_k]`, one row per token
 that has a successor. TRL's rollout worker reads tokens and log-probs from that answer and drops the routes; here:
 
-1. `RoutedRolloutLoop` (TRL's rollout loop, in its child process) keeps each turn's routes (`_post`, per
-   conversation through a context variable: every conversation is its own asyncio task) and stitches a training
-   sequence's routes from its turns (`stitch_turn_routes`: each position takes the route of the first turn whose
-   tokens up to it are the sequence's, so a turn's prompt keeps the routes first computed for it, and tool results
-   take the next turn's prefill), then queues `RoutedRolloutSample`s.
+1. `RoutedRolloutLoop` (TRL's rollout loop, in its child process) asks for the routes as raw bytes (the route frame
+   of `trl_gspo.sampling.route_wire`; a server that does not frame them, stock vLLM, answers JSON with base64 routes,
+   read from the JSON), keeps each turn's routes (`_post`, per conversation through a context variable: every
+   conversation is its own asyncio task) and stitches a training sequence's routes from its turns
+   (`stitch_turn_routes`: each position takes the route of the first turn whose tokens up to it are the sequence's,
+   so a turn's prompt keeps the routes first computed for it, and tool results take the next turn's prefill), then
+   queues `RoutedRolloutSample`s.
 2. `packed_routes` lays a packed row's routes out in TRL's packed order (a position shared by several samples of
    the row takes the first sample's route: for a shared prompt, the server's prefix cache returns one computation).
 3. `AsyncGSPOTrainer` forces them with `trl_gspo.routing.RoutingReplay` around each micro-batch's forward and
@@ -25,7 +27,8 @@ import numpy as np
 import torch
 from trl.experimental.async_grpo.async_rollout_worker import RolloutSample, _AsyncRolloutLoop, _common_prefix_len
 
-from .sampling.vllm import decode_server_routes
+from .sampling.route_wire import CONTENT_TYPE, HEADER, Frame, receive_buffer
+from .sampling.vllm import FramedRoute, decode_server_routes, framed_completions_answer, json_completions_answer
 
 # The current conversation's turns as the server answered them: (prompt ids, output ids, routes or None).
 _TURNS: contextvars.ContextVar[list | None] = contextvars.ContextVar("trl_gspo_async_turns", default=None)
@@ -71,12 +74,31 @@ class RoutedRolloutLoop(_AsyncRolloutLoop):
     """TRL's rollout loop (the rollout worker's child process) that keeps the server's routes with each sample."""
 
     async def _post(self, path, payload, timeout, max_retries=3):
-        content = await super()._post(path, payload, timeout, max_retries)
+        if path != "/v1/completions":
+            return await super()._post(path, payload, timeout, max_retries)
+        content = await self._retry(lambda: self._post_completions(payload, timeout), label=f"POST {path}",
+                                    max_attempts=max_retries)
         turns = _TURNS.get()
-        if turns is not None and path == "/v1/completions":
+        if turns is not None:
             choice = content["choices"][0]
-            turns.append((payload["prompt"], choice["token_ids"], decode_server_routes(choice.get("routed_experts"))))
+            routes = choice.get("routed_experts")
+            turns.append((payload["prompt"], choice["token_ids"],
+                          routes.array() if isinstance(routes, FramedRoute) else decode_server_routes(routes)))
         return content
+
+    async def _post_completions(self, payload: dict, timeout: float) -> dict:
+        """TRL's `/v1/completions` call asking for the routes as a route frame (header `X-TRL-GSPO-Routes`): the
+        answer is read from the frame when the server sends one (`trl-gspo vllm-serve`: each choice's
+        `routed_experts` a `FramedRoute`, a view of the received bytes), from JSON otherwise (stock vLLM: base64)."""
+        import aiohttp
+
+        async with self.session.post(f"{self.vllm_server_url}/v1/completions", json=payload, headers={HEADER: "1"},
+                                     timeout=aiohttp.ClientTimeout(total=timeout)) as response:
+            response.raise_for_status()
+            if not response.headers.get("content-type", "").startswith(CONTENT_TYPE):
+                content = await response.json()
+                return json_completions_answer(content, self.vllm_server_url) if content else {}
+            return framed_completions_answer(await _read_frame(response))
 
     async def _generate_one(self, *args, **kwargs):
         token = _TURNS.set([])
@@ -99,6 +121,25 @@ class RoutedRolloutLoop(_AsyncRolloutLoop):
         return [RoutedRolloutSample(**{name: getattr(sample, name) for name in names},
                                     routes=getattr(sequence, "routes", None))
                 for sample, sequence in zip(samples, sequences)]
+
+
+async def _read_frame(response) -> Frame:
+    """The route frame of an aiohttp response, read straight into one writable buffer of its length
+    (`route_wire.receive_buffer`) so that its routes are used in place; a body of unknown or encoded length is read
+    whole and copied once."""
+    length = response.content_length
+    if length is None or response.headers.get("content-encoding"):
+        return Frame.parse(await response.read())
+    buffer = receive_buffer(length)
+    view, received = memoryview(buffer), 0
+    async for chunk in response.content.iter_any():
+        view[received:received + len(chunk)] = chunk
+        received += len(chunk)
+    if received < length:
+        import aiohttp
+
+        raise aiohttp.ClientPayloadError(f"the route frame ended after {received} of {length} bytes")
+    return Frame.parse(buffer)
 
 
 def packed_routes(row, routes: list[np.ndarray | None], layers: int, top_k: int, dtype=torch.uint8):

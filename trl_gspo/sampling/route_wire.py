@@ -92,7 +92,8 @@ class Frame:
 
     @classmethod
     def parse(cls, content) -> Frame:
-        """A whole frame as the server sent it (read-only `bytes` are copied into a bytearray: writable views)."""
+        """A whole frame as the server sent it (read-only `bytes` are copied into a bytearray: writable views). A frame
+        whose index names more route bytes than follow it is refused here, not when an array is first read."""
         view = memoryview(content if not isinstance(content, bytes) else bytearray(content))
         if bytes(view[:len(MAGIC)]) != MAGIC:
             raise ValueError("not a trl-gspo route frame (the server answered something else)")
@@ -102,7 +103,13 @@ class Frame:
         position += 8 + length
         (length,) = _LENGTH.unpack_from(view, position)
         index = json.loads(bytes(view[position + 8:position + 8 + length]))
-        return cls(index, view[position + 8 + length:], answer)
+        routes = view[position + 8 + length:]
+        needed = max((entry["offset"] + _nbytes(entry, entry["shape"][0] - entry["shared"]) for entry in index),
+                     default=0)
+        if needed > len(routes):
+            raise ValueError(f"a route frame whose index names {needed} bytes of routes carries {len(routes)}: its "
+                             "routes are missing (a frame cut short, or a server that encodes them differently)")
+        return cls(index, routes, answer)
 
     def own_rows(self, i: int) -> np.ndarray:
         """Array `i`'s rows after its shared ones, a view of the frame's bytes."""

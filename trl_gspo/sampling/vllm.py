@@ -570,17 +570,34 @@ def _announce_json_routes(base_url: str) -> None:
 def read_completions_answer(response, base_url: str = "the server") -> dict:
     """A `/v1/completions` answer: a route frame from `trl-gspo vllm-serve` (each choice's `routed_experts` then a
     `FramedRoute`) or vLLM's JSON (base64 routes; announced once as the slower path)."""
-    from .route_wire import frame_routes, reference_index
+    from .route_wire import frame_routes
 
     frame = frame_routes(response)
     if frame is None:
-        body = response.json()
-        if any(choice.get("routed_experts") for choice in body.get("choices", [])):
-            _announce_json_routes(base_url)
-        return body
+        return json_completions_answer(response.json(), base_url)
+    return framed_completions_answer(frame)
+
+
+def json_completions_answer(body: dict, base_url: str = "the server") -> dict:
+    """vLLM's JSON `/v1/completions` answer as it is; base64 routes in it are announced once as the slower path."""
+    if any(choice.get("routed_experts") for choice in body.get("choices", [])):
+        _announce_json_routes(base_url)
+    return body
+
+
+def framed_completions_answer(frame) -> dict:
+    """The JSON answer of a received route frame, each choice's `routed_experts` reference `"#<i>"` replaced by a
+    `FramedRoute`. A reference to an array the frame does not carry is refused here, where the answer arrives, rather
+    than as an index error when the routes are first read."""
+    from .route_wire import reference_index
+
     for choice in frame.answer.get("choices", []):
         index = reference_index(choice.get("routed_experts"))
         if index is not None:
+            if index >= len(frame.index):
+                raise ValueError(f"routing_replay='sampler': the server's route frame names routes #{index} for a "
+                                 f"choice but carries {len(frame.index)} route array(s). Cause: a server whose route "
+                                 "encoder and answer disagree (a `trl-gspo vllm-serve` of another version).")
             choice["routed_experts"] = FramedRoute(frame, index)
     return frame.answer
 

@@ -1,0 +1,228 @@
+"""R3's routes in the asynchronous rollout loop at the flagship's size: what one `/v1/completions` answer carries, and
+what reading it costs the rollout worker, with the routes as vLLM's base64 inside the JSON against the route frame of
+`trl-gspo vllm-serve` (trl_gspo/sampling/route_wire.py), side by side in one run.
+
+TRL's asynchronous rollout loop asks for one completion per request (`n=1`), so each sample is its own answer:
+`[prompt + completion - 1, layers, top_k]` uint8 routes, plus the answer's JSON (token ids and log-probs as TRL asks
+for them). The answers are built here as the server writes them (vLLM's base64 `.npy`, or route_wire's own frame
+encoder) and read with the client's own functions (`decode_server_routes`; `Frame.parse` into a receive buffer,
+`framed_completions_answer`), to arrays ready for stitching. Printed:
+
+- bytes per sample on the wire: the answer without routes, with base64 routes in the JSON, and as a frame; for the
+  group (its completions share the prompt), the same per sample, and for reference what one `n=group` request (the
+  synchronous trainer's) would carry as a frame, where the prompt's rows travel once;
+- decode seconds per sample (median over the group's samples and the repeats): the JSON answer without routes (the
+  floor: TRL's own parse), with base64 routes, and the frame;
+- unless `--no-http`, the wall seconds per call of `RoutedRolloutLoop._post` against a local aiohttp server sending
+  the prebuilt answers (the request, the transfer over loopback, the read and the routes kept for the turn).
+
+    python benchmarks/async_route_wire.py                 # flagship: 48 layers x top-8 of 128, 4096 tokens, group 8
+    python benchmarks/async_route_wire.py --repeats 3     # faster
+
+Last line, exactly: `async_route_wire: <bytes json/frame> bytes, <decode json/frame> decode (json / frame)`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import base64
+import importlib.util
+import io
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).parent))
+import _setup  # noqa: E402  (the header line)
+
+from trl_gspo.sampling.route_wire import CONTENT_TYPE, Frame, encode_frame, receive_buffer  # noqa: E402
+from trl_gspo.sampling.vllm import decode_server_routes, framed_completions_answer  # noqa: E402
+
+
+def group_samples(prompt_len: int, sample_len: int, group: int, layers: int, top_k: int, experts: int):
+    """The group's samples as (prompt ids, completion ids, log-probs, routes): one prompt, `group` completions, the
+    prompt's routes the same in each (one prefill on the server); top_k distinct experts per token and layer."""
+    rng = np.random.default_rng(0)
+    prompt = rng.integers(0, 150_000, prompt_len).tolist()
+    spacing = experts // top_k
+    prompt_routes = None
+    for _ in range(group):
+        completion = rng.integers(0, 150_000, sample_len - prompt_len).tolist()
+        logprobs = rng.uniform(-3, 0, len(completion)).round(6).tolist()
+        first = rng.integers(0, spacing, (sample_len - 1, layers, 1), dtype=np.uint8)
+        routes = first + np.arange(top_k, dtype=np.uint8) * spacing
+        if prompt_routes is None:
+            prompt_routes = routes[:prompt_len].copy()
+        routes[:prompt_len] = prompt_routes
+        yield prompt, completion, logprobs, routes
+
+
+def npy_base64(array: np.ndarray) -> str:
+    """vLLM's encoding of `routed_experts` (`numpy2base64`): base64 of the array's `.npy` bytes."""
+    buffer = io.BytesIO()
+    np.save(buffer, array, allow_pickle=False)
+    return base64.b64encode(buffer.getvalue()).decode("ascii")
+
+
+def choice(index, prompt, completion, logprobs, routed_experts) -> dict:
+    """One choice of vLLM's `/v1/completions` answer as TRL's rollout loop asks for it (`return_token_ids`,
+    `logprobs=0`)."""
+    return {"index": index, "text": "", "prompt_token_ids": prompt, "token_ids": completion, "finish_reason": "length",
+            "logprobs": {"tokens": [f"token_id:{t}" for t in completion], "token_logprobs": logprobs,
+                         "top_logprobs": [None] * len(completion), "text_offset": [0] * len(completion)},
+            "routed_experts": routed_experts}
+
+
+def answer(choices: list[dict]) -> bytes:
+    return json.dumps({"id": "cmpl-0", "object": "text_completion", "model": "m", "choices": choices}).encode()
+
+
+def read_json(body: bytes):
+    """The stock-vLLM path: the JSON answer parsed (as aiohttp's `response.json()`), the routes decoded from base64."""
+    content = json.loads(body.decode("utf-8"))
+    return decode_server_routes(content["choices"][0]["routed_experts"])
+
+
+def read_frame(body: bytes):
+    """The frame path: the body received into one buffer (`_read_frame`'s copy), parsed, the reference resolved."""
+    buffer = receive_buffer(len(body))
+    memoryview(buffer)[:] = body
+    content = framed_completions_answer(Frame.parse(buffer))
+    return content["choices"][0]["routed_experts"].array()
+
+
+def timed(readers: dict, forms: dict[str, list[bytes]], repeats: int) -> dict[str, float]:
+    """Median seconds per body of each form's reader, the forms interleaved body by body (a busy machine then slows
+    them alike)."""
+    times = {form: [] for form in readers}
+    for _ in range(repeats):
+        for i in range(len(next(iter(forms.values())))):
+            for form, read in readers.items():
+                start = time.perf_counter()
+                read(forms[form][i])
+                times[form].append(time.perf_counter() - start)
+    return {form: statistics.median(samples) for form, samples in times.items()}
+
+
+def over_http(forms: dict[str, list[bytes]], prompts: list[list[int]], repeats: int) -> dict[str, float]:
+    """Median wall seconds per call of `RoutedRolloutLoop._post` against a local aiohttp server per form answering
+    its prebuilt answers (the forms interleaved call by call), and a check that every form keeps the same routes."""
+    import collections
+
+    import aiohttp
+    from aiohttp import web
+    from aiohttp.test_utils import TestServer
+
+    from trl_gspo.async_routing import _TURNS, RoutedRolloutLoop
+
+    form_of_port, times, kept = {}, {form: [] for form in forms}, {}
+
+    async def completions(request):
+        i = (await request.json())["sample"]
+        body = forms[form_of_port[request.url.port]][i]
+        framed = body.startswith(b"TRLGSPO1")
+        return web.Response(body=body, content_type=CONTENT_TYPE if framed else "application/json")
+
+    async def run():
+        app = web.Application(client_max_size=2**30)
+        app.router.add_post("/v1/completions", completions)
+        servers = {form: TestServer(app, host="127.0.0.1") for form in forms}
+        for form, server in servers.items():
+            await server.start_server()
+            form_of_port[server.port] = form
+        try:
+            async with aiohttp.ClientSession() as session:
+                loops = {}
+                for form, server in servers.items():
+                    loops[form] = RoutedRolloutLoop.__new__(RoutedRolloutLoop)
+                    loops[form].vllm_server_url = f"http://127.0.0.1:{server.port}"
+                    loops[form].session, loops[form]._counters = session, collections.Counter()
+                for _ in range(repeats):
+                    for i, prompt in enumerate(prompts):
+                        for form, loop in loops.items():
+                            token = _TURNS.set([])
+                            start = time.perf_counter()
+                            await loop._post("/v1/completions", {"prompt": prompt, "sample": i}, timeout=60)
+                            times[form].append(time.perf_counter() - start)
+                            kept[form, i] = _TURNS.get()[0][2]
+                            _TURNS.reset(token)
+        finally:
+            for server in servers.values():
+                await server.close()
+
+    asyncio.run(run())
+    for i in range(len(prompts)):
+        assert np.array_equal(kept["json", i], kept["frame", i]), "the two forms kept different routes"
+    return {form: statistics.median(samples) for form, samples in times.items()}
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--layers", type=int, default=48, help="MoE layers (Qwen3-30B-A3B: 48)")
+    parser.add_argument("--top-k", type=int, default=8)
+    parser.add_argument("--experts", type=int, default=128)
+    parser.add_argument("--sample-tokens", type=int, default=4096, help="prompt + completion tokens per sample")
+    parser.add_argument("--prompt-tokens", type=int, default=1024, help="the prompt the group's samples share")
+    parser.add_argument("--group", type=int, default=8, help="completions per prompt")
+    parser.add_argument("--repeats", type=int, default=10)
+    parser.add_argument("--no-http", action="store_true", help="skip the calls through a local aiohttp server")
+    args = parser.parse_args()
+    _setup.header("async_route_wire", "cpu", "uint8 routes", "-")
+
+    samples = list(group_samples(args.prompt_tokens, args.sample_tokens, args.group, args.layers, args.top_k,
+                                 args.experts))
+    forms = {"plain": [], "json": [], "frame": []}
+    for prompt, completion, logprobs, routes in samples:  # one request (n=1) per sample, as TRL's rollout loop asks
+        forms["plain"].append(answer([choice(0, prompt, completion, logprobs, None)]))
+        forms["json"].append(answer([choice(0, prompt, completion, logprobs, npy_base64(routes))]))
+        forms["frame"].append(b"".join(encode_frame(answer([choice(0, prompt, completion, logprobs, "#0")]), [routes])))
+    # For reference: the group as one n=group request (the synchronous trainer's), the prompt's rows sent once.
+    one_request = b"".join(encode_frame(answer([choice(i, *sample[:3], f"#{i}") for i, sample in enumerate(samples)]),
+                                        [sample[3] for sample in samples]))
+    route_bytes = samples[0][3].nbytes
+
+    size = {form: statistics.mean(map(len, bodies)) for form, bodies in forms.items()}
+    routes_part = {form: size[form] - size["plain"] for form in ("json", "frame")}
+    print(f"sample: {args.sample_tokens} tokens ({args.prompt_tokens} prompt), {args.layers} layers x top-{args.top_k} "
+          f"of {args.experts} experts, uint8 routes: {route_bytes:,} bytes of routes; group of {args.group}")
+    print("bytes per sample on the wire (one request per sample):")
+    print(f"  answer without routes  {size['plain']:>12,.0f}")
+    print(f"  base64 routes in JSON  {size['json']:>12,.0f}   routes part {routes_part['json']:>12,.0f}")
+    print(f"  route frame            {size['frame']:>12,.0f}   routes part {routes_part['frame']:>12,.0f}")
+    print(f"  ratio json / frame     {size['json'] / size['frame']:>12.3f}   routes part "
+          f"{routes_part['json'] / routes_part['frame']:>12.3f}")
+    print(f"  for reference, the group as one n={args.group} frame (prompt rows once): "
+          f"{len(one_request) / args.group:,.0f} per sample")
+
+    for i, (*_, routes) in enumerate(samples):  # both readers give the arrays sent
+        assert np.array_equal(read_json(forms["json"][i]), routes)
+        assert np.array_equal(read_frame(forms["frame"][i]), routes)
+    decode = timed({"plain": lambda body: json.loads(body.decode("utf-8")), "json": read_json, "frame": read_frame},
+                   forms, args.repeats)
+    ms = {form: seconds * 1e3 for form, seconds in decode.items()}
+    print(f"decode seconds per sample (median of {args.repeats} x {args.group}, interleaved):")
+    print(f"  JSON without routes (TRL's own parse)  {ms['plain']:8.3f} ms")
+    print(f"  base64 routes in JSON                  {ms['json']:8.3f} ms")
+    print(f"  route frame                            {ms['frame']:8.3f} ms")
+    print(f"  ratio json / frame {ms['json'] / ms['frame']:.2f}; over the floor: json {ms['json'] - ms['plain']:.3f} "
+          f"ms, frame {ms['frame'] - ms['plain']:.3f} ms")
+
+    if not args.no_http and importlib.util.find_spec("aiohttp") is None:  # the asynchronous extra's transport
+        args.no_http = True
+        print("RoutedRolloutLoop._post over loopback: skipped (aiohttp not installed: pip install -e \".[async]\")")
+    if not args.no_http:
+        http = over_http({"json": forms["json"], "frame": forms["frame"]}, [s[0] for s in samples], args.repeats)
+        print(f"RoutedRolloutLoop._post over loopback, wall seconds per call (median of {args.repeats} x "
+              f"{args.group}, interleaved): json {http['json'] * 1e3:.3f} ms, frame {http['frame'] * 1e3:.3f} ms, "
+              f"ratio {http['json'] / http['frame']:.2f}")
+
+    print(f"async_route_wire: {size['json'] / size['frame']:.3f} bytes, {ms['json'] / ms['frame']:.2f} decode "
+          "(json / frame)")
+
+if __name__ == "__main__":
+    main()
