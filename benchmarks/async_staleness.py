@@ -50,6 +50,7 @@ ROOT = Path(__file__).resolve().parents[1]
 LOSSES = {"gspo": dict(loss_type="gspo"), "gspo_delta": dict(loss_type="gspo", delta=2.0),
           "gspo_wide": dict(loss_type="gspo", epsilon=3e-3, epsilon_high=4e-3),
           "gspo_wide100": dict(loss_type="gspo", epsilon=3e-2, epsilon_high=4e-2),
+          "gspo_band0.2": dict(loss_type="gspo", epsilon=0.2, epsilon_high=0.2),  # TRL's token band, per sequence
           "gspo_r3": dict(loss_type="gspo", routing_replay="sampler"), "grpo": dict(loss_type="grpo"),
           # The decoupled objective (docs/gspo.md): the band against the trainer's weights, the sampler-to-trainer gap
           # as a length-normalised sequence weight, truncated at C = 2 or 1.1, or masked outside [1/1.1, 1.1].
@@ -279,26 +280,37 @@ def main():
     print_table(runs, f"{steps} steps")
 
 
-def print_table(runs, what):
-    """The table over every run given (its seeds), one row per loss x sampler dtype x staleness."""
+def print_table(runs, what, versus="grpo"):
+    """The table over every run given (its seeds), one row per loss x sampler dtype x staleness; `vs grpo`: the
+    difference of the last-window reward from TRL's token loss (`versus`) at the same sampler and staleness, in
+    standard errors of the difference (sqrt(sd_a^2 / n_a + sd_b^2 / n_b)); `*` where it exceeds 2."""
     arms = {}
     for spec, run in sorted(runs, key=lambda r: (list(LOSSES).index(r[0]["loss"]), r[0]["dtype"] != "float32",
                                                  r[0]["staleness"])):
         arms.setdefault((spec["loss"], spec["dtype"], spec["staleness"]), []).append(summarize(run))
 
+    def spread(summaries):
+        last = [s["reward_last"] for s in summaries]
+        return statistics.fmean(last), (statistics.stdev(last) if len(last) > 1 else float("nan")), len(last)
+
     print(f"\n{'loss':<13} {'sampler':<8} {'k':>2} {'clipped seq':>11} {'clipped tok':>11} {'max|log s|':>10} "
-          f"{'capped':>6} "
-          f"{'R3 drift':>8} {'reward first':>12} {'reward last':>16} seeds   (means, +- standard deviation over "
-          f"seeds; {what})")
+          f"{'capped':>6} {'R3 drift':>8} {'reward first':>12} {'reward last':>16} seeds {'vs ' + versus:>16}   "
+          f"(means, +- standard deviation over seeds; {what})")
     for (loss, dtype, k), summaries in arms.items():
         def mean(key):
             return statistics.fmean(s[key] for s in summaries)
-        last = [s["reward_last"] for s in summaries]
-        spread = f" +-{statistics.stdev(last):.3f}" if len(last) > 1 else ""
+        last, sd, n = spread(summaries)
+        compare = ""
+        if loss != versus and (versus, dtype, k) in arms and n > 1:
+            other, other_sd, other_n = spread(arms[versus, dtype, k])
+            error = (sd ** 2 / n + other_sd ** 2 / other_n) ** 0.5
+            if other_n > 1 and error > 0:
+                z = (last - other) / error
+                compare = f"{last - other:+.3f} ({z:+.1f} SE){'*' if abs(z) > 2 else ' '}"
+        spread_text = f" +-{sd:.3f}" if n > 1 else ""
         print(f"{loss:<13} {dtype:<8} {k:>2} {mean('clipped_seq'):>11.3f} {mean('clipped_tok'):>11.3f} "
-              f"{mean('log_ratio_abs_max'):>10.2e} {mean('capped'):>6.3f} {mean('replay_drift'):>8.3f} {mean('reward_first'):>12.3f} "
-              f"{mean('reward_last'):>10.3f}"
-              f"{spread:<7} {len(summaries):>4}")
+              f"{mean('log_ratio_abs_max'):>10.2e} {mean('capped'):>6.3f} {mean('replay_drift'):>8.3f} "
+              f"{mean('reward_first'):>12.3f} {last:>10.3f}{spread_text:<7} {n:>4} {compare:>17}")
     print("async_staleness: " + " ".join(
         f"{loss}:{dtype}:k{k} {statistics.fmean(s['reward_last'] for s in summaries):.3f}"
         for (loss, dtype, k), summaries in arms.items()))
