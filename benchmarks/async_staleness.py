@@ -231,6 +231,8 @@ def main():
     parser.add_argument("--out", help="write every run's per-step figures here (JSON)")
     parser.add_argument("--summarize", nargs="+", metavar="RUNS_JSON",
                         help="print the table over the runs of earlier --out files (their seeds together), run nothing")
+    parser.add_argument("--markdown", action="store_true",
+                        help="with --summarize: print the docs' tables (reward, clipped share) as markdown")
     parser.add_argument("--one", help=argparse.SUPPRESS)  # internal: one run in this process
     options = parser.parse_args()
     if options.one:
@@ -238,7 +240,10 @@ def main():
         return
     if options.summarize:
         runs = [(entry.pop("spec"), entry) for path in options.summarize for entry in json.loads(Path(path).read_text())]
-        print_table(runs, ", ".join(sorted({f"{spec['steps']} steps" for spec, _ in runs})))
+        if options.markdown:
+            print_markdown(runs)
+        else:
+            print_table(runs, ", ".join(sorted({f"{spec['steps']} steps" for spec, _ in runs})))
         return
     seeds, steps, stalenesses = ((1, 30, [0, 4]) if options.quick else
                                  (options.seeds, options.steps, [int(k) for k in options.staleness.split(",")]))
@@ -314,6 +319,48 @@ def print_table(runs, what, versus="grpo"):
     print("async_staleness: " + " ".join(
         f"{loss}:{dtype}:k{k} {statistics.fmean(s['reward_last'] for s in summaries):.3f}"
         for (loss, dtype, k), summaries in arms.items()))
+
+
+def print_markdown(runs, versus="grpo"):
+    """Two markdown tables over the runs: last-window reward per arm x sampler (mean +- sd, seeds, and against
+    `versus` in standard errors of the difference, bold past 2) by staleness; the share of completions clipped (for
+    `versus`: of tokens) and, for the decoupled arms, capped."""
+    cells = {}
+    for spec, run in runs:
+        cells.setdefault((spec["loss"], spec["dtype"], spec["staleness"]), []).append(summarize(run))
+    stalenesses = sorted({k for _, _, k in cells})
+    arms = sorted({(loss, dtype) for loss, dtype, _ in cells},
+                  key=lambda a: (list(LOSSES).index(a[0]), a[1] != "float32"))
+
+    def reward(loss, dtype, k):
+        summaries = cells.get((loss, dtype, k))
+        if not summaries:
+            return "-"
+        last = [s["reward_last"] for s in summaries]
+        mean, sd = statistics.fmean(last), statistics.stdev(last) if len(last) > 1 else float("nan")
+        text = f"{mean:.3f} ± {sd:.3f} ({len(last)})"
+        other = cells.get((versus, dtype, k))
+        if loss != versus and other and len(other) > 1 and len(last) > 1:
+            other_last = [s["reward_last"] for s in other]
+            error = (sd ** 2 / len(last) + statistics.stdev(other_last) ** 2 / len(other_last)) ** 0.5
+            z = (mean - statistics.fmean(other_last)) / error if error else float("nan")
+            text += f" **{z:+.1f}**" if abs(z) > 2 else f" {z:+.1f}"
+        return text
+
+    def share(loss, dtype, k, key):
+        summaries = cells.get((loss, dtype, k))
+        return "-" if not summaries else f"{statistics.fmean(s[key] for s in summaries):.3f}"
+
+    header = " | ".join(f"k = {k}" for k in stalenesses)
+    print(f"| arm | sampler | {header} |\n|---|---|" + "---|" * len(stalenesses))
+    for loss, dtype in arms:
+        print(f"| {loss} | {dtype} | " + " | ".join(reward(loss, dtype, k) for k in stalenesses) + " |")
+    print(f"\n| arm | sampler | " + " | ".join(f"clipped k = {k}" for k in stalenesses) + " | "
+          + " | ".join(f"capped k = {k}" for k in stalenesses) + f" |\n|---|---|" + "---|" * 2 * len(stalenesses))
+    for loss, dtype in arms:
+        key = "clipped_tok" if loss == versus else "clipped_seq"
+        print(f"| {loss} | {dtype} | " + " | ".join(share(loss, dtype, k, key) for k in stalenesses) + " | "
+              + " | ".join(share(loss, dtype, k, "capped").replace("nan", "-") for k in stalenesses) + " |")
 
 
 if __name__ == "__main__":
