@@ -47,17 +47,18 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-LOSSES = {"gspo": dict(loss_type="gspo"), "gspo_delta": dict(loss_type="gspo", delta=2.0),
+PAPER = dict(epsilon=3e-4, epsilon_high=4e-4)  # the GSPO paper's band
+LOSSES = {"gspo": dict(loss_type="gspo", **PAPER), "gspo_delta": dict(loss_type="gspo", delta=2.0, **PAPER),
           "gspo_wide": dict(loss_type="gspo", epsilon=3e-3, epsilon_high=4e-3),
           "gspo_wide100": dict(loss_type="gspo", epsilon=3e-2, epsilon_high=4e-2),
           "gspo_band0.2": dict(loss_type="gspo", epsilon=0.2, epsilon_high=0.2),  # TRL's token band, per sequence
-          "gspo_r3": dict(loss_type="gspo", routing_replay="sampler"), "grpo": dict(loss_type="grpo"),
+          "gspo_r3": dict(loss_type="gspo", routing_replay="sampler", **PAPER), "grpo": dict(loss_type="grpo"),
           # The decoupled objective (docs/gspo.md): the band against the trainer's weights, the sampler-to-trainer gap
           # as a length-normalised sequence weight, truncated at C = 2 or 1.1, or masked outside [1/1.1, 1.1].
-          "dec_trunc2": dict(loss_type="gspo", staleness_correction="truncate", staleness_weight_cap=2.0),
-          "dec_trunc1.1": dict(loss_type="gspo", staleness_correction="truncate", staleness_weight_cap=1.1),
-          "dec_mask1.1": dict(loss_type="gspo", staleness_correction="mask", staleness_weight_cap=1.1),
-          "dec_trunc2_r3": dict(loss_type="gspo", staleness_correction="truncate", staleness_weight_cap=2.0,
+          "dec_trunc2": dict(loss_type="gspo", **PAPER, staleness_correction="truncate", staleness_weight_cap=2.0),
+          "dec_trunc1.1": dict(loss_type="gspo", **PAPER, staleness_correction="truncate", staleness_weight_cap=1.1),
+          "dec_mask1.1": dict(loss_type="gspo", **PAPER, staleness_correction="mask", staleness_weight_cap=1.1),
+          "dec_trunc2_r3": dict(loss_type="gspo", **PAPER, staleness_correction="truncate", staleness_weight_cap=2.0,
                                 routing_replay="sampler"),
           # TRL's token loss with a sequence-level truncated correction (`seq_tis_loss`): the token ratio against the
           # trainer's weights, each token weighed by min(prod_t pi_prox / mu, 2), the un-normalised product.

@@ -117,7 +117,8 @@ def test_replayed_packed_step_matches_a_float64_reference_per_sample(tiny_moe_di
     args = AsyncGSPOConfig(output_dir=str(tmp_path), use_cpu=True, report_to="none", max_steps=1,
                            per_device_train_batch_size=6, num_generations=4, token_budget=0, logging_steps=1,
                            save_strategy="no", router_aux_loss_coef=0.0, disable_tqdm=True, loss_type=loss_type,
-                           routing_replay="sampler", gradient_accumulation_steps=3 if budget else 1)
+                           routing_replay="sampler", gradient_accumulation_steps=3 if budget else 1,
+                           **(dict(epsilon=3e-4, epsilon_high=4e-4) if loss_type == "gspo" else {}))
     trainer = AsyncGSPOTrainer(model=str(tiny_moe_dir), args=args, train_dataset=toy_dataset(4), processing_class=tok,
                                rollout_worker=QueueWorker(), weight_transfer=NoWeightTransfer())
     if budget:

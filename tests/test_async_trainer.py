@@ -35,7 +35,7 @@ def _trainer(tiny_moe_dir, tokenizer, tmp_path, samples=(), callbacks=None, **co
     args = AsyncGSPOConfig(**{**dict(output_dir=str(tmp_path), use_cpu=True, report_to="none", max_steps=1,
                                      per_device_train_batch_size=6, num_generations=4, token_budget=0,
                                      logging_steps=1, save_strategy="no", router_aux_loss_coef=0.0,
-                                     disable_tqdm=True), **config})
+                                     disable_tqdm=True, epsilon=EPS_LOW, epsilon_high=EPS_HIGH), **config})
     return AsyncGSPOTrainer(model=str(tiny_moe_dir), reward_funcs=[], args=args, train_dataset=toy_dataset(4),
                             processing_class=tokenizer, rollout_worker=QueueWorker(samples),
                             weight_transfer=NoWeightTransfer(), callbacks=callbacks)
@@ -269,13 +269,13 @@ def test_trains_on_queued_samples_drops_stale_ones_and_logs_clipping_by_age(tiny
 
 
 def test_config_presets_and_refusals(tmp_path):
-    gspo = AsyncGSPOConfig(output_dir=str(tmp_path), use_cpu=True)
-    assert (gspo.loss_type, gspo.epsilon, gspo.epsilon_high) == ("gspo", EPS_LOW, EPS_HIGH)
-    assert gspo.paper_presets == {"epsilon": EPS_LOW, "epsilon_high": EPS_HIGH}
-    kept = AsyncGSPOConfig(output_dir=str(tmp_path), use_cpu=True, epsilon=1e-3)
-    assert (kept.epsilon, kept.epsilon_high) == (1e-3, EPS_HIGH)
+    gspo = AsyncGSPOConfig(output_dir=str(tmp_path), use_cpu=True)  # the band measured for asynchronous training
+    assert (gspo.loss_type, gspo.epsilon, gspo.epsilon_high, gspo.staleness_correction) == ("gspo", 3e-2, 4e-2, "none")
+    assert gspo.presets == {"epsilon": 3e-2, "epsilon_high": 4e-2}
+    kept = AsyncGSPOConfig(output_dir=str(tmp_path), use_cpu=True, epsilon=EPS_LOW, epsilon_high=EPS_HIGH)
+    assert (kept.epsilon, kept.epsilon_high, kept.presets) == (EPS_LOW, EPS_HIGH, {})  # the paper's, when asked
     trl = AsyncGSPOConfig(output_dir=str(tmp_path), use_cpu=True, loss_type="grpo")
-    assert (trl.epsilon, trl.epsilon_high, trl.paper_presets) == (0.2, None, {})
+    assert (trl.epsilon, trl.epsilon_high, trl.presets) == (0.2, None, {})
     refusals = [(dict(loss_type="dapo"), "loss_type"), (dict(loss_type="grpo", delta=1.5), "delta"),
                 (dict(delta=1.0001), "delta"), (dict(epsilon="3e-4"), "epsilon"), (dict(epsilon=1.5), "epsilon"),
                 (dict(max_staleness=-1), "max_staleness"), (dict(staleness_correction="clip"), "staleness_correction"),

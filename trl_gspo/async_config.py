@@ -1,5 +1,6 @@
-"""`AsyncGSPOConfig`: TRL's `AsyncGRPOConfig` with GSPO's loss types, the paper's presets and R3 (for
-`trl_gspo.async_trainer.AsyncGSPOTrainer`). Apart from the trainer, so that reading a recipe loads no training code."""
+"""`AsyncGSPOConfig`: TRL's `AsyncGRPOConfig` with GSPO's loss types, a clip band measured for asynchronous
+training, the decoupled objective and R3 (for `trl_gspo.async_trainer.AsyncGSPOTrainer`). Apart from the trainer, so
+that reading a recipe loads no training code."""
 
 from __future__ import annotations
 
@@ -8,19 +9,28 @@ from dataclasses import dataclass, field
 
 from trl.experimental.async_grpo import AsyncGRPOConfig
 
-from .config import GSPO_LOSS_TYPES, PAPER_EPSILON_HIGH, PAPER_EPSILON_LOW
+from .config import GSPO_LOSS_TYPES
 
 # "grpo": TRL's asynchronous loss as it ships (token-level clipped ratio, mean over the micro-batch's tokens).
 ASYNC_LOSS_TYPES = (*GSPO_LOSS_TYPES, "grpo")
 # "none": pi_old is the sampler's log-probs (the paper's objective as written); the others: the decoupled objective.
 STALENESS_CORRECTIONS = ("none", "truncate", "mask")
+# The clip band unset `epsilon` / `epsilon_high` take for gspo types: 100x the paper's 3e-4 / 4e-4. Each sample is
+# trained once, against the sampler's log-probs, so the band is the only trust region, and one optimizer step moves a
+# sequence's log-ratio past the paper's band (60% of completions clipped from one version old on). Measured in
+# miniature (docs/gspo.md "Asynchronous training", benchmarks/async_staleness.py): this band learned as fast as TRL's
+# token loss at staleness 0-4 (within 2 standard errors in 7 of 8 cells, 4 seeds each), the paper's did not, and
+# the decoupled objective and a 0.2 band, which clip less, learned slower.
+ASYNC_EPSILON_LOW, ASYNC_EPSILON_HIGH = 3e-2, 4e-2
 
 
 @dataclass
 class AsyncGSPOConfig(AsyncGRPOConfig):
-    """`AsyncGRPOConfig` with GSPO's loss types. For `"gspo"` / `"gspo_token"`, fields left unset take the GSPO paper's
-    values (Section 5.1): `epsilon=3e-4`, `epsilon_high=4e-4`. TRL's asynchronous trainer has no KL term and no
-    reference model, so the paper's `beta=0` holds by construction. For `"grpo"` the defaults are TRL's (`0.2`)."""
+    """`AsyncGRPOConfig` with GSPO's loss types. For `"gspo"` / `"gspo_token"`, fields left unset take the band measured
+    for asynchronous training, `epsilon=3e-2`, `epsilon_high=4e-2`: 100x the GSPO paper's (Section 5.1: 3e-4 / 4e-4,
+    which a stale sample exceeds after one optimizer step; docs/gspo.md "Asynchronous training"). Set both for the
+    paper's band. TRL's asynchronous trainer has no KL term and no reference model, so the paper's `beta=0` holds by
+    construction. For `"grpo"` the defaults are TRL's (`0.2`)."""
 
     loss_type: str = field(
         default="gspo",
@@ -29,11 +39,13 @@ class AsyncGSPOConfig(AsyncGRPOConfig):
     )
     epsilon: float | None = field(
         default=None,
-        metadata={"help": "Lower clip range. Unset: 3e-4 for gspo types (GSPO paper), 0.2 for 'grpo' (TRL's)."},
+        metadata={"help": "Lower clip range. Unset: 3e-2 for gspo types (measured for asynchronous training; the GSPO "
+                          "paper's is 3e-4), 0.2 for 'grpo' (TRL's)."},
     )
     epsilon_high: float | None = field(
         default=None,
-        metadata={"help": "Upper clip range. Unset: 4e-4 for gspo types (GSPO paper); for 'grpo', same as epsilon."},
+        metadata={"help": "Upper clip range. Unset: 4e-2 for gspo types (measured for asynchronous training; the GSPO "
+                          "paper's is 4e-4); for 'grpo', same as epsilon."},
     )
     routing_replay: str = field(
         default="none",
@@ -81,10 +93,10 @@ class AsyncGSPOConfig(AsyncGRPOConfig):
         is_gspo = self.loss_type in GSPO_LOSS_TYPES
         unset = [name for name in ("epsilon", "epsilon_high") if getattr(self, name) is None]
         if self.epsilon is None:
-            self.epsilon = PAPER_EPSILON_LOW if is_gspo else 0.2
+            self.epsilon = ASYNC_EPSILON_LOW if is_gspo else 0.2
         if self.epsilon_high is None and is_gspo:
-            self.epsilon_high = PAPER_EPSILON_HIGH
-        self.paper_presets = {name: getattr(self, name) for name in unset} if is_gspo else {}
+            self.epsilon_high = ASYNC_EPSILON_HIGH
+        self.presets = {name: getattr(self, name) for name in unset} if is_gspo else {}
         high = self.epsilon_high if self.epsilon_high is not None else self.epsilon
         if not 0 < self.epsilon < 1 or high <= 0:
             raise ValueError(f"`epsilon` / `epsilon_high`: the clip band [1 - {self.epsilon}, 1 + {high}] is empty or "

@@ -100,7 +100,7 @@ def main():
     tokenizer.padding_side = "left"
     args = AsyncGSPOConfig(output_dir=options.out_dir, use_cpu=True, report_to="none", max_steps=options.steps,
                            per_device_train_batch_size=SAMPLES_PER_STEP // processes, num_generations=4,
-                           gradient_accumulation_steps=2,
+                           gradient_accumulation_steps=2, epsilon=3e-4, epsilon_high=4e-4,  # the paper's band
                            token_budget=0, logging_steps=1, save_strategy="no", disable_tqdm=True, seed=0,
                            learning_rate=1e-3, loss_type=options.loss_type, max_staleness=8,
                            router_aux_loss_coef=0.0,  # the load-balancing loss is per packed row: rows differ
