@@ -10,7 +10,7 @@ encoder) and read with the client's own functions (`decode_server_routes`; `Fram
 
 - bytes per sample on the wire: the answer without routes, with base64 routes in the JSON, and as a frame; for the
   group (its completions share the prompt), the same per sample, and for reference what one `n=group` request (the
-  synchronous trainer's) would carry as a frame, where the prompt's rows travel once;
+  synchronous trainer's) would send as a frame, where the prompt's rows travel once;
 - decode seconds per sample (median over the group's samples and the repeats): the JSON answer without routes (the
   floor: TRL's own parse), with base64 routes, and the frame;
 - unless `--no-http`, the wall seconds per call of `RoutedRolloutLoop._post` against a local aiohttp server sending
