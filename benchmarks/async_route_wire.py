@@ -26,9 +26,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import base64
 import importlib.util
-import io
 import json
 import statistics
 import sys
@@ -39,6 +37,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).parent))
 import _setup  # noqa: E402  (the header line)
+from server_routes import npy_base64  # noqa: E402  (vLLM's base64 `.npy` encoding of routed_experts)
 
 from trl_gspo.sampling.route_wire import CONTENT_TYPE, Frame, encode_frame, receive_buffer  # noqa: E402
 from trl_gspo.sampling.vllm import decode_server_routes, framed_completions_answer  # noqa: E402
@@ -60,13 +59,6 @@ def group_samples(prompt_len: int, sample_len: int, group: int, layers: int, top
             prompt_routes = routes[:prompt_len].copy()
         routes[:prompt_len] = prompt_routes
         yield prompt, completion, logprobs, routes
-
-
-def npy_base64(array: np.ndarray) -> str:
-    """vLLM's encoding of `routed_experts` (`numpy2base64`): base64 of the array's `.npy` bytes."""
-    buffer = io.BytesIO()
-    np.save(buffer, array, allow_pickle=False)
-    return base64.b64encode(buffer.getvalue()).decode("ascii")
 
 
 def choice(index, prompt, completion, logprobs, routed_experts) -> dict:

@@ -7,7 +7,8 @@ import numpy as np
 import pytest
 import torch
 from conftest import toy_dataset
-from test_async_trainer import EPISODES, PROMPTS, _reference_logps, _samples, token_budget_step
+from test_async_trainer import (EPISODES, PROMPTS, _reference_logps, _samples, assert_matches_reference,
+                                token_budget_step)
 
 import async_stand_ins
 from async_stand_ins import NoWeightTransfer, QueueWorker
@@ -161,12 +162,7 @@ def test_replayed_packed_step_matches_a_float64_reference_per_sample(tiny_moe_di
             ratio = torch.exp(log_ratio)
             token_terms.append(torch.minimum(ratio * advantage, ratio.clamp(1 - eps_low, 1 + eps_high) * advantage))
     expected = -torch.stack(terms).mean() if terms else -torch.cat(token_terms).mean()
-    expected.backward()
-    assert loss.item() == pytest.approx(expected.item(), rel=1e-5, abs=1e-7)
-    scale = max(p.grad.abs().max().item() for p in reference.parameters() if p.grad is not None)
-    for name, param in reference.named_parameters():
-        if param.grad is not None:
-            torch.testing.assert_close(grads[name].double(), param.grad, rtol=1e-4, atol=1e-5 * scale, msg=name)
+    assert_matches_reference(loss, grads, expected, reference)
 
 
 def test_routing_replay_refuses_a_micro_batch_without_routes(tiny_moe_dir, tokenizer, tmp_path):

@@ -102,6 +102,19 @@ def _reference_loss(model, sampled, token_level):
     return -torch.stack(terms).mean()
 
 
+def assert_matches_reference(loss, grads, expected, reference):
+    """The trainer's loss and gradients `grads` (name -> tensor) equal the float64 reference's: `expected` (its loss,
+    not yet backpropagated) and every gradient of `reference`, to float32 rounding scaled by the largest gradient.
+    Returns the reference's gradients by name."""
+    expected.backward()
+    assert loss.item() == pytest.approx(expected.item(), rel=1e-5, abs=1e-7)
+    expected_grads = {n: p.grad for n, p in reference.named_parameters() if p.grad is not None}
+    scale = max(g.abs().max().item() for g in expected_grads.values())
+    for name, grad in expected_grads.items():
+        torch.testing.assert_close(grads[name].double(), grad, rtol=1e-4, atol=1e-5 * scale, msg=name)
+    return expected_grads
+
+
 def _packed_batch(samples, rows=1):
     tree_rows = [TreeRow() for _ in range(rows)]
     for i, sample in enumerate(samples):
@@ -130,13 +143,7 @@ def test_packed_loss_and_gradients_match_the_float64_reference(tiny_moe_dir, tok
     reference = AutoModelForCausalLM.from_pretrained(tiny_moe_dir, dtype=torch.float64, attn_implementation="eager",
                                                  experts_implementation="eager")
     expected = _reference_loss(reference, _reference_logps(tiny_moe_dir), token_level=loss_type == "gspo_token")
-    expected.backward()
-    assert loss.item() == pytest.approx(expected.item(), rel=1e-5, abs=1e-7)
-    expected_grads = {n: p.grad for n, p in reference.named_parameters() if p.grad is not None}
-    assert set(grads) == set(expected_grads)
-    scale = max(g.abs().max().item() for g in expected_grads.values())
-    for name, grad in grads.items():
-        torch.testing.assert_close(grad.double(), expected_grads[name], rtol=1e-4, atol=1e-5 * scale, msg=name)
+    assert set(grads) == set(assert_matches_reference(loss, grads, expected, reference))
 
     # The clip band acted: both clipped and unclipped completions, so a wrong |y_i| or band would show.
     logged = trainer._metrics["train"]
@@ -177,12 +184,7 @@ def test_a_step_of_unequal_micro_batches_is_the_plain_mean_over_its_completions(
     reference = AutoModelForCausalLM.from_pretrained(tiny_moe_dir, dtype=torch.float64, attn_implementation="eager",
                                                      experts_implementation="eager")
     expected = _reference_loss(reference, _reference_logps(tiny_moe_dir), token_level=loss_type == "gspo_token")
-    expected.backward()
-    assert loss.item() == pytest.approx(expected.item(), rel=1e-5, abs=1e-7)
-    scale = max(p.grad.abs().max().item() for p in reference.parameters() if p.grad is not None)
-    for name, param in reference.named_parameters():
-        if param.grad is not None:
-            torch.testing.assert_close(grads[name].double(), param.grad, rtol=1e-4, atol=1e-5 * scale, msg=name)
+    assert_matches_reference(loss, grads, expected, reference)
 
 
 def test_packed_loss_equals_the_synchronous_trainers_loss_on_the_same_samples(tiny_moe_dir, tokenizer, tmp_path):

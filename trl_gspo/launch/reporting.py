@@ -28,8 +28,7 @@ def summarize(log_history: list[dict]) -> dict:
     _, rewards = _series(log_history, "reward")
     summary = {"reward_first": rewards[0] if rewards else None, "reward_last": rewards[-1] if rewards else None}
     for key in CLIP_KEYS:
-        _, values = _series(log_history, key)
-        summary[key] = sum(values) / len(values) if values else None
+        summary[key] = _mean(log_history, key)
     for key in TOOL_KEYS:  # first and last logging windows, as the reward
         _, values = _series(log_history, key)
         summary[f"{key}_first"], summary[f"{key}_last"] = (values[0], values[-1]) if values else (None, None)
