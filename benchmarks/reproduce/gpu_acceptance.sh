@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The GPU acceptance run (docs/gpus.md) as one bounded command, for a bare one-GPU machine with a short lease:
+# The GPU acceptance run (docs/gpus.md) as one bounded command, for a bare one-GPU machine with a short time limit:
 #   (on a CPU machine first: `pip download`/`pip wheel` the packages the GPU image lacks into .whl/: trl,
 #    transformers, datasets, deepspeed and their small dependencies; docs/results.md 'On one H200' lists them)
 #   bash benchmarks/reproduce/gpu_acceptance.sh [OUT_DIR] [COMMIT]     # on the GPU machine, from the repo root

@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
-# GPU run 3 (issue 41) as one bounded command for a bare one-GPU machine with a short lease (H200: 139 GiB):
-#   (on a CPU machine first: `bash ../shared/gpu/wheels.sh` and math-verify's wheels into .whl/, as gpu_acceptance.sh)
+# The H200 run of 2026-11-26 (docs/results.md) as one bounded command, for a bare one-GPU machine with a short
+# time limit (H200: 139 GiB):
+#   (on a CPU machine first: the wheels the GPU image lacks, and math-verify's, into .whl/, as
+#    gpu_acceptance.sh says)
 #   bash benchmarks/reproduce/gpu_run3.sh [OUT_DIR] [COMMIT]     # on the GPU machine, from the repo root
 # Phase 1 has the GPU to itself (the timed ratios). Phase 2 runs four chains side by side, each step with its own
 # timeout, so the whole run ends within about 500 s; the untimed figures (peak memory per process, route agreement,
