@@ -124,13 +124,24 @@ def test_colocate_engine_trains(loss_type, correction, tmp_path):
     assert any("vLLM samples in bfloat16 while the trainer computes in float32" in w for w in result["warnings"])
 
 
-def test_colocate_engine_with_lora(tmp_path):
-    """TRL merges the adapters, syncs the merged weights, unmerges: the engine keeps sampling from the policy."""
-    result = _run(tmp_path, lora=True, max_steps=8, learning_rate=5e-2, routing_replay="sampler")
+def test_colocate_engine_with_lora_keeps_a_bf16_base_bitwise_frozen(tmp_path):
+    """LoRA on attention and experts over a bf16 base, a weight sync before each of 6 rounds: the engine samples
+    from the policy (the adapters folded into what is sent), and the frozen base is bit for bit unchanged. Stock
+    TRL (GRPOTrainer, same setup) merges and unmerges in place around every sync, and its base drifts."""
+    common = dict(lora=True, base_dtype="bfloat16", max_steps=12, steps_per_generation=2, learning_rate=3e-2)
+    result = _run(tmp_path / "gspo", routing_replay="sampler", **common)
     rounds = _rounds(result)
-    assert len(_steps(result)) == 8 and len(rounds) == 2
+    assert len(_steps(result)) == 12 and len(rounds) == 6
     assert min(h["routing/sampler_agreement"] for h in rounds) >= MIN_AGREEMENT
     assert _drift_warnings(result) == []
+    assert result["base_drift"]["tensors"] == 0 and result["base_drift"]["elements"] == 0, result["base_drift"]
+    stock = _run(tmp_path / "stock", stock=True, model_dir=tmp_path / "gspo" / "model", **common)
+    assert len(_steps(stock)) == 12
+    drift = stock["base_drift"]
+    print(f"stock TRL, 6 rounds: {drift['tensors']}/{drift['of_tensors']} base tensors and "
+          f"{drift['elements'] / drift['of_elements']:.1%} of base elements changed, "
+          f"relative norm {drift['relative_norm']:.2e}")
+    assert drift["tensors"] > 0 and drift["elements"] > 0  # if this fails, TRL stopped drifting: say so in docs/lora.md
 
 
 def test_two_processes_under_zero3_each_with_its_engine(tmp_path):

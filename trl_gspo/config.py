@@ -56,7 +56,7 @@ NON_LOSS_FIELDS = (
 )
 # Fields `GSPOConfig` adds to `GRPOConfig`.
 GSPO_CONFIG_FIELDS = ("routing_replay", "routing_replay_offload", "routing_replay_min_agreement", "vllm_dtype",
-                      "vllm_server_stall_timeout", "old_logps")
+                      "vllm_server_stall_timeout", "old_logps", "merge_adapters_for_rollout", "exact_lora_merge")
 VLLM_DTYPES = ("auto", "float32", "bfloat16", "float16")
 DEFAULT_MIN_ROUTE_AGREEMENT = 0.75  # routing_replay_min_agreement's default (a plain GRPOConfig has no such field)
 DEFAULT_SERVER_STALL_TIMEOUT = 300.0  # vllm_server_stall_timeout's default, likewise
@@ -101,6 +101,13 @@ class GSPOConfig(GRPOConfig):
             Where pi_old comes from. `"trainer"`: TRL's old-policy pass recomputes it. `"sampler"`: the sampler's
             per-token log-probs, and no old-policy pass runs (paper Sec. 5.4; `trl_gspo.sampling.old_logps`).
             Measured safe only with a sampler in the trainer's precision (docs/gspo.md).
+        merge_adapters_for_rollout (`bool`, defaults to `True`):
+            With LoRA: HF generate with the adapters folded into the weights, and the old-policy pass with the
+            experts' adapters folded once per rollout (bit for bit the training forward's weights). The frozen base
+            is never written; costs one copy of the adapted weights during a rollout (docs/lora.md).
+        exact_lora_merge (`bool`, defaults to `True`):
+            With LoRA and vLLM: weight syncs send `W + delta` built out of place, one parameter at a time, so the
+            frozen base stays bit for bit unchanged (TRL's in-place merge and unmerge drift it in bf16).
     """
 
     loss_type: str = field(
@@ -198,6 +205,25 @@ class GSPOConfig(GRPOConfig):
         },
     )
 
+    merge_adapters_for_rollout: bool = field(
+        default=True,
+        metadata={
+            "help": "With LoRA (PEFT): HF generate runs with the adapters folded into the weights, and TRL's "
+            "old-policy pass with the experts' adapters (`target_parameters`) folded, built once per rollout and "
+            "bit for bit what the training forward uses. Needs the whole model on the device (one process, DDP, "
+            "ZeRO-1/2, ZeRO-3 with `ds3_gather_for_generation`) and one extra copy of the adapted weights during "
+            "the rollout; the frozen base is never written (docs/lora.md)."
+        },
+    )
+    exact_lora_merge: bool = field(
+        default=True,
+        metadata={
+            "help": "With LoRA and vLLM: weight syncs send each adapted weight as W + delta built out of place, one "
+            "parameter at a time, so the frozen base stays bit for bit unchanged. False: TRL's in-place "
+            "merge_adapter()/unmerge_adapter(), whose bf16 rounding moves the base at every sync (docs/lora.md)."
+        },
+    )
+
     def __post_init__(self):
         _check_types(self)
         is_gspo = self.loss_type in GSPO_LOSS_TYPES
@@ -225,6 +251,7 @@ class GSPOConfig(GRPOConfig):
 # inside a comparison (`GSPOConfig(epsilon="3e-4")`). `None` is left to the defaults and to `validate_gspo_args`.
 _FIELD_TYPES = {"loss_type": (str, "a string", "'gspo'"), "importance_sampling_level": (str, "a string", "'sequence'"),
                 "routing_replay": (str, "a string", "'old'"), "routing_replay_offload": (bool, "a bool", "True"),
+                "merge_adapters_for_rollout": (bool, "a bool", "False"), "exact_lora_merge": (bool, "a bool", "False"),
                 "routing_replay_min_agreement": (numbers.Real, "a number", "0.75"),
                 "vllm_dtype": (str, "a string", "'float32'"),
                 "vllm_server_stall_timeout": (numbers.Real, "a number of seconds", "600"), "old_logps": (str, "a string", "'sampler'"),

@@ -32,6 +32,7 @@ from .sampling.old_logps import SamplerOldLogps
 from .sampling.vllm import (capture_routes, check_sampler_at_start, engine_options, server_failures,
                             trainer_engine_options)
 from .trainer_checkpoints import CheckpointMixin
+from .trainer_lora import TrainerLora
 from .tool_turns import ToolTurnsMixin
 from .trainer_routing import TrainerRouting, _first_adapter_layer, _reference_pass
 from .trl_options import apply_trl_options
@@ -85,6 +86,7 @@ class GSPOTrainer(CheckpointMixin, ToolTurnsMixin, GRPOTrainer):
         self._sampler_logps = SamplerOldLogps.build(self, self._clip_band(), dtypes)  # old_logps="sampler", or None
         self._routing = TrainerRouting.build(base, self.args, runs_old_policy_pass(self.args))
         self._replay_stack, self._replay_opened = None, False  # open while a micro-batch runs forward and backward
+        self._lora = TrainerLora.build(self)  # LoRA folded for rollouts and weight syncs, base untouched; or None
         if self.accelerator.is_main_process:  # the resolved sizes; a warning when paper presets changed TRL's
             log = logger.warning if getattr(self.args, "paper_presets", None) else logger.info
             log(setup_summary(self.args, self.accelerator.num_processes))
@@ -95,6 +97,12 @@ class GSPOTrainer(CheckpointMixin, ToolTurnsMixin, GRPOTrainer):
                 else (PAPER_EPSILON_LOW, PAPER_EPSILON_HIGH))
 
     def _generate_and_score_completions(self, inputs):
+        if self._lora is None:
+            return self._generate_and_score_round(inputs)
+        with self._lora.rollout():  # generation and the old-policy pass with the adapters folded (trainer_lora.py)
+            return self._generate_and_score_round(inputs)
+
+    def _generate_and_score_round(self, inputs):
         if self._sampler_logps is not None:
             self._sampler_logps.start_round(training=self.model.training)
         if self._routing is None:
@@ -153,10 +161,13 @@ class GSPOTrainer(CheckpointMixin, ToolTurnsMixin, GRPOTrainer):
         sampler = self._sampler_logps
         if sampler is not None and sampler.answers_old_pass(model is self.model, _reference_pass(self._adapter_layer)):
             return sampler.old_pass(logits_to_keep, input_ids.device)  # old_logps="sampler": no forward
-        if self._routing is None or model is not self.model:  # the reference model keeps natural routing
-            result = call()
-        else:
-            result = self._routing.policy_pass(call, input_ids, attention_mask, logits_to_keep)
+        folded = (self._lora.old_policy_pass(model, torch.is_grad_enabled()) if self._lora is not None
+                  else contextlib.nullcontext())
+        with folded:  # the old-policy pass with LoRA experts built once per rollout: bit for bit the active forward
+            if self._routing is None or model is not self.model:  # the reference model keeps natural routing
+                result = call()
+            else:
+                result = self._routing.policy_pass(call, input_ids, attention_mask, logits_to_keep)
         if sampler is not None and torch.is_grad_enabled() and self.model.training:  # the gap, on sampling weights
             values = sampler.training_pass(result[0], self.accelerator, self.accelerator.sync_gradients)
             if values is not None:

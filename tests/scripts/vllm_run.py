@@ -4,6 +4,8 @@
 
 The JSON holds GSPOConfig overrides plus these script options:
     lora: true           LoRA on attention and experts (TRL syncs merged weights)
+    base_dtype: "..."    the policy's dtype ("bfloat16": the frozen base of a LoRA run in bf16); float32 by default
+    stock: true          TRL's own GRPOTrainer (token loss), for what stock TRL does beside GSPOTrainer
     reference: true      check every policy pass of R3 against an independent reference (below)
     resume: true         resume from the newest checkpoint in OUT_DIR
     tools: true          the calculator task of trl_gspo/quickstart/tools.py through TRL's tool loop (`tools=[add]`);
@@ -302,6 +304,7 @@ def main():
     engine = options.pop("engine", "patched")
     lora, reference, resume = options.pop("lora", False), options.pop("reference", False), options.pop("resume", False)
     tools = options.pop("tools", False)
+    base_dtype, stock = getattr(torch, options.pop("base_dtype", "float32")), options.pop("stock", False)
     server = options.pop("server", None)
     memory_probe, kill_server_at_round = options.pop("memory_probe", False), options.pop("kill_server_at_round", None)
     freeze_server_at_round = options.pop("freeze_server_at_round", None)
@@ -323,7 +326,8 @@ def main():
     hf_logging.get_logger("trl_gspo").addHandler(warnings)
     model_dir = build_model_dir(Path(os.environ.get("TRL_GSPO_VLLM_MODEL_DIR", out_dir / "model")))
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=base_dtype)
+    frozen = {name: param.detach().clone() for name, param in model.named_parameters()}  # the base, before training
     if engine == "other_checkpoint":  # TRL builds its colocate engine from `model.name_or_path`
         model.name_or_path = str(build_model_dir(out_dir / "other_checkpoint", seed=1, initializer_range=0.1))
     if engine == "perturbed_routers":
@@ -340,13 +344,19 @@ def main():
     if server:
         config.update(vllm_mode="server", vllm_server_base_url=server)
     config.update(options)
-    args = tiny_config(out_dir, **config)
+    if stock:
+        from trl import GRPOConfig, GRPOTrainer
+
+        args = tiny_config(out_dir, config_cls=GRPOConfig, **config)
+    else:
+        args = tiny_config(out_dir, **config)
     task = dict(reward_funcs=digit_reward, train_dataset=Dataset.from_dict({"prompt": PROMPTS * 4}))
     if tools:
         from trl_gspo.quickstart.tools import add, make_tool_rl_dataset, tool_answer_reward
 
         task = dict(reward_funcs=tool_answer_reward, train_dataset=make_tool_rl_dataset(32, seed=1), tools=[add])
-    trainer = GSPOTrainer(model, args=args, processing_class=tokenizer, peft_config=peft_config, **task)
+    trainer = (GRPOTrainer if stock else GSPOTrainer)(model, args=args, processing_class=tokenizer,
+                                                      peft_config=peft_config, **task)
 
     if engine in ("other_checkpoint", "perturbed_routers"):  # the engine keeps serving the other checkpoint
         trainer.vllm_generation.sync_weights = lambda: weight_syncs.append(0)
@@ -386,15 +396,26 @@ def main():
     trainer.train(resume_from_checkpoint="latest" if resume else None)
     base = trainer.accelerator.unwrap_model(trainer.model)
     checksum = sum(float(p.detach().double().sum()) for p in base.parameters())
+    base_drift = None
+    if lora:  # the frozen base after training against before: tensors and elements changed, relative norm moved
+        after = {name.removeprefix("base_model.model.").replace(".base_layer", ""): param.detach()
+                 for name, param in base.named_parameters() if "lora_" not in name}
+        moved = [name for name in frozen if not torch.equal(after[name], frozen[name])]
+        elements = sum(int((after[name] != frozen[name]).sum()) for name in moved)
+        norm = torch.stack([(after[n].double() - frozen[n].double()).norm() for n in frozen]).norm()
+        base_drift = {"tensors": len(moved), "of_tensors": len(frozen), "elements": elements,
+                      "of_elements": sum(t.numel() for t in frozen.values()),
+                      "relative_norm": float(norm / torch.stack([t.double().norm() for t in frozen.values()]).norm())}
     from accelerate.utils import gather_object
 
+    sampler_logps = getattr(trainer, "_sampler_logps", None)  # GSPOTrainer's; stock TRL has none
     checks_per_rank = gather_object([checks])  # with tensor parallel, rank 1 keeps the second slice of the routes
     if trainer.accelerator.is_main_process:
         print("RESULT " + json.dumps({"log_history": trainer.state.log_history, "checks": checks,
                                       "checks_per_rank": checks_per_rank, "weight_syncs": weight_syncs,
-                                      "checksum": checksum, "warnings": warnings.messages,
+                                      "checksum": checksum, "warnings": warnings.messages, "base_drift": base_drift,
                                       "server_forms": SERVER_FORMS,
-                                      "skipped_passes": getattr(trainer._sampler_logps, "skipped_passes", None),
+                                      "skipped_passes": getattr(sampler_logps, "skipped_passes", None),
                                       "memory": memory,
                                       "world_size": trainer.accelerator.num_processes}), flush=True)
     trainer.accelerator.wait_for_everyone()

@@ -1,0 +1,174 @@
+"""LoRA adapters folded into the weights without writing the frozen base (trl_gspo/lora_merge.py), and GSPOTrainer's
+rollouts with them (trl_gspo/trainer_lora.py): bit-for-bit checks in float32 and bf16, against PEFT's active forward
+and TRL's own weight-sync stream."""
+
+import contextlib
+import types
+
+import pytest
+import torch
+from conftest import digit_reward, tiny_config, toy_dataset
+from trl_gspo import GSPOTrainer
+from trl_gspo.quickstart.model import build_model
+
+import trl_gspo.lora_merge as lora_merge
+from trl_gspo.lora_merge import LoraMergeError, adapter_targets, exact_sync_stream, merged_adapters
+
+TARGETS = dict(target_modules=["q_proj", "v_proj"],
+               target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"])
+
+
+def _peft_model(tokenizer, dtype, scale=0.05, seed=0, **lora):
+    from peft import LoraConfig, get_peft_model
+
+    model = get_peft_model(build_model(tokenizer).to(dtype), LoraConfig(r=4, lora_alpha=8, **(lora or TARGETS)))
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():  # PEFT starts B at zero: give the adapters something to fold
+        for name, param in model.named_parameters():
+            if "lora_B" in name:
+                param.copy_(torch.randn(param.shape, generator=generator) * scale)
+    return model
+
+
+def _base(model):
+    return {name: param.detach().clone() for name, param in model.named_parameters() if "lora_" not in name}
+
+
+def _changed(model, base):
+    return [name for name, param in model.named_parameters() if name in base and not torch.equal(param, base[name])]
+
+
+def _logits(model, ids):
+    with torch.no_grad():
+        return model(input_ids=ids).logits
+
+
+def _trl_stream(model):
+    """TRL's own weight-sync stream (`VLLMGeneration._iter_named_params`) of one process, without a vLLM engine."""
+    from trl.generation.vllm_generation import VLLMGeneration
+
+    generation = VLLMGeneration.__new__(VLLMGeneration)
+    generation.model = model
+    generation._dist = types.SimpleNamespace(gather_params=lambda params: contextlib.nullcontext(), is_fsdp=False)
+    return generation._iter_named_params
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_folded_experts_equal_the_active_forward_and_the_base_is_untouched(tokenizer, dtype):
+    model = _peft_model(tokenizer, dtype)
+    base = _base(model)
+    ids = torch.randint(3, model.config.vocab_size, (3, 17), generator=torch.Generator().manual_seed(1))
+    active = _logits(model, ids)
+    with merged_adapters(model, experts_only=True) as targets:
+        assert len(targets) == 4 and all(t.expert_stack for t in targets)  # gate_up and down, 2 layers
+        assert all(t.layer.merged for t in targets)
+        experts_folded = _logits(model, ids)
+    with merged_adapters(model) as targets:
+        assert len(targets) == 8
+        all_folded = _logits(model, ids)
+    assert torch.equal(experts_folded, active)  # the experts' W + delta is the tensor the active forward builds
+    assert not torch.equal(all_folded, active)  # folded attention: rounding only
+    assert torch.allclose(all_folded, active, atol=2e-2 if dtype == torch.bfloat16 else 1e-4)
+    assert _changed(model, base) == [] and not any(t.layer.merged for t in adapter_targets(model))
+    assert torch.equal(_logits(model, ids), active)  # the adapters are live again
+
+
+def test_folding_is_undone_when_the_block_raises(tokenizer):
+    model = _peft_model(tokenizer, torch.bfloat16)
+    base = _base(model)
+    with pytest.raises(RuntimeError, match="mid-block"), merged_adapters(model):
+        raise RuntimeError("mid-block")
+    assert _changed(model, base) == [] and not any(t.layer.merged for t in adapter_targets(model))
+
+
+def test_bf16_base_stays_frozen_across_weight_syncs_where_peft_merging_drifts(tokenizer):
+    """TRL's sync stream merges and unmerges in place: in bf16 the base moves at every sync while the adapters
+    train. Through `exact_sync_stream` it does not move at all, and what is sent equals PEFT's merge for attention
+    and the active forward's weights for the experts."""
+    torch.manual_seed(0)
+    drifts = {}
+    for exact in (False, True):
+        model = _peft_model(tokenizer, torch.bfloat16)
+        base, stream = _base(model), _trl_stream(model)
+        adapters = [p for n, p in model.named_parameters() if "lora_" in n]
+        for sync in range(20):
+            sent = dict(exact_sync_stream(model, stream) if exact else ((n, t.clone()) for n, t in stream()))
+            assert len(sent) == len(base)
+            with torch.no_grad():  # the adapters train a little between syncs
+                for param in adapters:
+                    param.add_(torch.randn_like(param) * 1e-3)
+        drifts[exact] = _changed(model, base)
+    assert drifts[True] == []
+    assert len(drifts[False]) >= 4, drifts  # stock TRL + PEFT: the frozen base drifts (8 of 8 adapted tensors here)
+
+
+def test_sync_sends_the_folded_weights(tokenizer):
+    model = _peft_model(tokenizer, torch.bfloat16)
+    sent = dict(exact_sync_stream(model, _trl_stream(model)))
+    with merged_adapters(model):
+        folded = {name: param.detach().clone() for name, param in model.named_parameters()}
+    stock = {name: tensor.clone() for name, tensor in _trl_stream(model)()}  # PEFT's in-place merge
+    renamed = {name.removeprefix("base_model.model.").replace(".base_layer", ""): t for name, t in folded.items()}
+    assert sent.keys() == stock.keys()
+    for name, tensor in sent.items():
+        assert torch.equal(tensor, renamed[name]), name
+        if "experts" not in name:  # attention: PEFT's merge arithmetic, bit for bit
+            assert torch.equal(tensor, stock[name]), name
+    assert any(not torch.equal(sent[n], stock[n]) for n in sent if "experts" in n)  # PEFT's merge rounds twice
+
+
+def test_a_sync_stream_that_copies_parameters_is_refused(tokenizer):
+    model = _peft_model(tokenizer, torch.float32)
+    stream = _trl_stream(model)
+    with pytest.raises(LoraMergeError, match="exact_lora_merge"):
+        list(exact_sync_stream(model, lambda: ((name, t.clone()) for name, t in stream())))
+    assert "merge_adapter" not in vars(model)  # PEFT's methods are back
+
+
+def _count_builds(monkeypatch):
+    builds = []
+    original = lora_merge.effective_weight
+
+    def counting(target):
+        builds.append(target.expert_stack)
+        return original(target)
+
+    monkeypatch.setattr(lora_merge, "effective_weight", counting)
+    return builds
+
+
+def test_rollouts_fold_lora_and_the_first_mini_batch_stays_exactly_on_policy(tmp_path, tokenizer, monkeypatch):
+    """A bf16 base with LoRA on attention and experts, HF generate, 4 mini-batches per rollout: generation runs
+    folded, the old-policy pass reuses the experts' folded weights (built once per rollout), the first mini-batch of
+    each rollout has log-ratio exactly 0, and after 8 steps the base is bit for bit what it was."""
+    from peft import LoraConfig
+
+    builds = _count_builds(monkeypatch)
+    model = build_model(tokenizer).to(torch.bfloat16)
+    base = {name: param.detach().clone() for name, param in model.named_parameters()}
+    trainer = GSPOTrainer(model, digit_reward, args=tiny_config(tmp_path, max_steps=8, steps_per_generation=4,
+                                                                per_device_train_batch_size=4, learning_rate=5e-2),
+                          train_dataset=toy_dataset(), processing_class=tokenizer,
+                          peft_config=LoraConfig(r=4, lora_alpha=8, **TARGETS))
+    folded_generations = []
+    original_merged = lora_merge.merged_adapters
+
+    @contextlib.contextmanager
+    def watching(model_, experts_only=False, cache=None):
+        with original_merged(model_, experts_only, cache) as targets:
+            folded_generations.append((experts_only, torch.is_grad_enabled()))
+            yield targets
+
+    monkeypatch.setattr("trl_gspo.trainer_lora.merged_adapters", watching)
+    trainer.train()
+    logs = [h for h in trainer.state.log_history if "loss" in h]
+    assert len(logs) == 8
+    assert [h["gspo/log_ratio_abs_max"] for h in logs][::4] == [0.0, 0.0]  # on-policy: pi_theta == pi_old exactly
+    assert max(h["gspo/log_ratio_abs_max"] for h in logs) > 0  # the adapters trained
+    # per rollout: one folded generate, then the old-policy pass (one no-grad call per micro-batch) experts-only
+    assert (False, False) in folded_generations and (True, False) in folded_generations
+    assert sum(builds) == 2 * 4  # the experts' W + delta: 4 tensors, built once in each of the 2 rollouts
+    after = {name.replace(".base_layer", ""): param for name, param in trainer.model.get_base_model().named_parameters()
+             if "lora_" not in name}
+    assert after.keys() == base.keys()
+    assert [name for name in base if not torch.equal(after[name], base[name])] == []

@@ -1,0 +1,91 @@
+"""LoRA in GSPOTrainer's rollouts and weight syncs: adapters folded into the weights without writing the frozen base
+(`trl_gspo.lora_merge`).
+
+- Weight syncs to vLLM (TRL's `VLLMGeneration._iter_named_params`): each adapted base tensor is sent as `W + delta`
+  built out of place, one parameter at a time, instead of TRL's in-place `merge_adapter()` / `unmerge_adapter()`,
+  whose bf16 rounding moves the base a little at every sync (`exact_lora_merge`).
+- A rollout (`merge_adapters_for_rollout`): HF generate runs with every adapter folded (PEFT's per-forward rebuild of
+  `W + delta` for all experts of a layer, decode steps included, is skipped), and TRL's old-policy pass with the
+  experts' adapters folded, built once per rollout: the same tensors the training forward builds, so the
+  on-policy ratio stays exactly 1. Only where the whole model is on the device; a ZeRO-3 model generating layer by
+  layer (`ds3_gather_for_generation=False`) or an FSDP2 model keeps PEFT's active path.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+from transformers.utils import logging
+
+from .lora_merge import adapter_targets, exact_sync_stream, merged_adapters, model_is_whole, unmergeable_layers
+from .trainer_routing import _first_adapter_layer, _reference_pass
+
+logger = logging.get_logger(__name__)
+
+
+class TrainerLora:
+    """Folds a `GSPOTrainer`'s LoRA adapters for its rollouts and weight syncs; `build` returns None without LoRA."""
+
+    def __init__(self, trainer, model):
+        self.trainer, self.model = trainer, model
+        self.cache: dict | None = None  # the experts' folded weights of the current rollout
+        self.fold_rollout = getattr(trainer.args, "merge_adapters_for_rollout", True)
+        self._adapter_layer = _first_adapter_layer(model)
+
+    @classmethod
+    def build(cls, trainer) -> TrainerLora | None:
+        model = trainer.accelerator.unwrap_model(trainer.model)
+        if not adapter_targets(model):
+            return None
+        lora = cls(trainer, model)
+        if trainer.use_vllm:
+            lora._install_exact_sync()
+        return lora
+
+    def _install_exact_sync(self) -> None:
+        trainer = self.trainer
+        if not getattr(trainer.args, "exact_lora_merge", True):
+            return
+        reason = None
+        if trainer.is_fsdp_enabled:
+            reason = "under FSDP TRL sends copies of the sharded parameters, which cannot be matched to their adapters"
+        elif unmergeable_layers(self.model):
+            reason = f"{', '.join(unmergeable_layers(self.model))} layers are folded by PEFT only"
+        if reason is not None:
+            logger.warning(f"LoRA weight syncs use PEFT's in-place merge and unmerge ({reason}): in bf16 the frozen "
+                           "base weights drift by rounding at every sync (docs/lora.md).")
+            return
+        generation = trainer.vllm_generation
+        stream = generation._iter_named_params  # TRL's: gathers ZeRO-3 parameters, names them as vLLM expects
+        generation._iter_named_params = lambda: exact_sync_stream(self.model, stream)
+
+    @contextlib.contextmanager
+    def rollout(self):
+        """One rollout: generation and the old-policy pass share the experts' folded weights, freed at its end."""
+        self.cache = {}
+        generate = vars(self.model).get("generate")
+        if self.fold_rollout and not self.trainer.use_vllm:
+            original = self.model.generate
+
+            def folded_generate(*args, **kwargs):
+                if not model_is_whole(self.model):  # sharded while generating: each layer gathered in its forward
+                    return original(*args, **kwargs)
+                with merged_adapters(self.model, cache=self.cache):
+                    return original(*args, **kwargs)
+
+            self.model.generate = folded_generate  # TRL calls it inside its unwrap/gather context
+        try:
+            yield
+        finally:
+            self.cache = None
+            if generate is None:
+                vars(self.model).pop("generate", None)
+
+    def old_policy_pass(self, model, grad_enabled: bool):
+        """A context for one of TRL's log-prob passes: the experts folded for a no-grad pass of the policy within a
+        rollout, else nothing."""
+        unwrapped = self.trainer.accelerator.unwrap_model(model)
+        if (not self.fold_rollout or self.cache is None or grad_enabled or unwrapped is not self.model
+                or _reference_pass(self._adapter_layer) or not model_is_whole(self.model)):
+            return contextlib.nullcontext()
+        return merged_adapters(self.model, experts_only=True, cache=self.cache)
