@@ -349,3 +349,56 @@ def test_async_recipes_end_with_the_run_summary_and_curves(monkeypatch, tmp_path
     train._run_async("some/model", [], args, model_args, toy_dataset(4), {}, plot=False)
     (callback,) = built["callbacks"]
     assert isinstance(callback, RunReportCallback) and callback.plot is False
+
+
+class _KeptWeights(NoWeightTransfer):
+    """Keeps a copy of every tensor a weight sync sends."""
+
+    def __init__(self):
+        self.syncs = []
+
+    def send_weights(self, weights):
+        self.syncs.append({name: tensor.clone() for name, tensor in weights})
+
+
+@pytest.mark.parametrize("exact", [True, False])
+def test_lora_weight_syncs_keep_a_bf16_base_bitwise_frozen(tiny_moe_dir, tokenizer, tmp_path, exact):
+    """TRL's merged weight sync with LoRA on attention and experts over a bf16 base, the adapters moving between
+    syncs: with `exact_lora_merge` the base is bit for bit unchanged after 10 syncs and each sync sends the folded
+    weights; with TRL's in-place merge and unmerge (False) the base drifts."""
+    from peft import LoraConfig
+
+    from trl_gspo.lora_merge import merged_adapters
+
+    tokenizer = copy.deepcopy(tokenizer)
+    tokenizer.padding_side = "left"
+    args = AsyncGSPOConfig(output_dir=str(tmp_path), use_cpu=True, report_to="none", max_steps=1, token_budget=0,
+                           per_device_train_batch_size=6, num_generations=4, save_strategy="no", disable_tqdm=True,
+                           exact_lora_merge=exact, model_init_kwargs={"dtype": torch.bfloat16})
+    transfer = _KeptWeights()
+    lora = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"],
+                      target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"])
+    trainer = AsyncGSPOTrainer(model=str(tiny_moe_dir), reward_funcs=[], args=args, train_dataset=toy_dataset(4),
+                               processing_class=tokenizer, rollout_worker=QueueWorker(), weight_transfer=transfer,
+                               peft_config=lora)
+    model = trainer.accelerator.unwrap_model(trainer.model)
+    base = {n: p.detach().clone() for n, p in model.named_parameters() if "lora_" not in n}
+    assert all(t.dtype == torch.bfloat16 for t in base.values())
+    adapters = [p for n, p in model.named_parameters() if "lora_" in n]
+    generator = torch.Generator().manual_seed(0)
+    for _ in range(10):
+        with torch.no_grad():
+            for param in adapters:
+                param.add_(torch.randn(param.shape, generator=generator).to(param.dtype) * 1e-2)
+        trainer._sync_weight()
+    changed = [n for n, p in model.named_parameters() if n in base and not torch.equal(p, base[n])]
+    if not exact:
+        assert len(changed) >= 4  # TRL 1.16 + PEFT: the frozen base moves
+        return
+    assert changed == [] and trainer.model_version == 10
+    with merged_adapters(model):
+        folded = {n.removeprefix("base_model.model.").replace(".base_layer", ""): p.detach().clone()
+                  for n, p in model.named_parameters() if "lora_" not in n}
+    last = transfer.syncs[-1]
+    assert last.keys() == folded.keys()
+    assert all(torch.equal(last[name], folded[name]) for name in last)

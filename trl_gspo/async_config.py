@@ -75,6 +75,14 @@ class AsyncGSPOConfig(AsyncGRPOConfig):
                           "staleness_correction='none'."},
     )
 
+    exact_lora_merge: bool = field(
+        default=True,
+        metadata={"help": "With LoRA synced as merged weights: each adapted weight is sent as W + delta built out of "
+                          "place, one parameter at a time, so the frozen base stays bit for bit unchanged. False: "
+                          "TRL's in-place merge_adapter()/unmerge_adapter(), whose bf16 rounding moves the base at "
+                          "every sync (docs/lora.md)."},
+    )
+
     def __post_init__(self):
         if not isinstance(self.loss_type, str) or self.loss_type not in ASYNC_LOSS_TYPES:
             raise ValueError(f"`loss_type`: {self.loss_type!r} is not one AsyncGSPOTrainer runs. Fix: use one of "

@@ -46,8 +46,10 @@ from . import metrics as gspo_metrics
 from .async_config import AsyncGSPOConfig
 from .async_routing import RoutedRolloutLoop, packed_routes
 from .config import GSPO_LOSS_TYPES
+from .lora_merge import exact_sync_stream, merge_calls_skipped
 from .losses import gspo_packed_loss, nonfinite_counts, raise_if_nonfinite, unpack_segments
 from .routing.replay import RoutingReplay
+from .trainer_lora import exact_sync_model
 
 
 # The count each logged mean is taken over (the rest are extremes, spreads or per-rank gauges).
@@ -143,6 +145,7 @@ class AsyncGSPOTrainer(AsyncGRPOTrainer):
         self._policy_version = 0  # the weight version the policy holds, on every rank (`_sync_weight`)
         self._step_completions = None  # the optimizer step's completions over every rank (`get_batch_samples`)
         super().__init__(model, reward_funcs, args, *pargs, **kwargs)
+        self._exact_lora = exact_sync_model(self)  # LoRA synced as W + delta out of place (trainer_lora.py), or None
         self._routing = None
         if args.routing_replay == "sampler":
             self._routing = RoutingReplay(self.accelerator.unwrap_model(self.model))  # refuses a dense model
@@ -180,6 +183,20 @@ class AsyncGSPOTrainer(AsyncGRPOTrainer):
         only), to age the samples it trains on."""
         super()._sync_weight()
         self._policy_version = broadcast_object_list([self.model_version], from_process=0)[0]
+
+    def _sync_weight_merged(self, t0):
+        """TRL's merged weight sync. With LoRA (`exact_lora_merge`) TRL's in-place merge and unmerge are skipped and
+        each adapted base tensor is streamed as `W + delta` built out of place: the frozen base stays bit for bit."""
+        if self._exact_lora is None:
+            return super()._sync_weight_merged(t0)
+        with merge_calls_skipped(self._exact_lora):
+            return super()._sync_weight_merged(t0)
+
+    def _streaming_iter(self):
+        if self._exact_lora is None:
+            yield from super()._streaming_iter()
+        else:
+            yield from exact_sync_stream(self._exact_lora, super()._streaming_iter)
 
     def get_batch_samples(self, epoch_iterator, num_batches, device):
         """Transformers' trainer fetches every micro-batch of an optimizer step before it trains the first. The packer

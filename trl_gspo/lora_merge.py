@@ -28,7 +28,8 @@ from dataclasses import dataclass
 import torch
 
 __all__ = ["AdapterTarget", "LoraMergeError", "adapter_targets", "effective_weight", "exact_sync_stream",
-           "merged_adapters", "model_is_whole", "unmergeable_layers"]
+           "merge_calls_skipped", "merged_adapters", "model_is_whole",
+           "unmergeable_layers"]
 
 
 class LoraMergeError(RuntimeError):
@@ -179,7 +180,7 @@ def _key(tensor: torch.Tensor) -> tuple:
 
 
 @contextlib.contextmanager
-def _merge_calls_skipped(model: torch.nn.Module):
+def merge_calls_skipped(model: torch.nn.Module):
     """PEFT's `merge_adapter`/`unmerge_adapter` do nothing inside the block (instance attributes over the methods)."""
     names = ("merge_adapter", "unmerge_adapter")
     had = {name: name in vars(model) for name in names}
@@ -200,7 +201,7 @@ def exact_sync_stream(model: torch.nn.Module, stream: Callable[[], Iterator[tupl
     built when it is reached. A tensor is recognised by its storage, so the stream must hand out the parameters'
     own tensors (`param.data`, `param.detach()`): a stream that copies them (FSDP2's `full_tensor()`, an offloaded
     parameter moved to the device) would leave adapters out, and raises `LoraMergeError` at its end instead."""
-    with _merge_calls_skipped(model):
+    with merge_calls_skipped(model):
         targets = None
         sent = set()
         for name, tensor in stream():

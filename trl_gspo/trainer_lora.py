@@ -15,12 +15,32 @@ from __future__ import annotations
 
 import contextlib
 
+import torch
 from transformers.utils import logging
 
 from .lora_merge import adapter_targets, exact_sync_stream, merged_adapters, model_is_whole, unmergeable_layers
 from .trainer_routing import _first_adapter_layer, _reference_pass
 
 logger = logging.get_logger(__name__)
+
+
+def exact_sync_model(trainer) -> torch.nn.Module | None:
+    """The PEFT model whose weight syncs can send `W + delta` out of place (`exact_lora_merge`), or None: no LoRA,
+    the option off, or a layout where TRL's stream copies the parameters (FSDP) or PEFT alone can fold a layer
+    (a warning then says the base drifts)."""
+    model = trainer.accelerator.unwrap_model(trainer.model)
+    if not getattr(trainer.args, "exact_lora_merge", True) or not adapter_targets(model):
+        return None
+    reason = None
+    if trainer.is_fsdp_enabled:
+        reason = "under FSDP TRL sends copies of the sharded parameters, which cannot be matched to their adapters"
+    elif unmergeable_layers(model):
+        reason = f"{', '.join(unmergeable_layers(model))} layers are folded by PEFT only"
+    if reason is not None:
+        logger.warning(f"LoRA weight syncs use PEFT's in-place merge and unmerge ({reason}): in bf16 the frozen base "
+                       "weights drift by rounding at every sync (docs/lora.md).")
+        return None
+    return model
 
 
 class TrainerLora:
@@ -43,19 +63,9 @@ class TrainerLora:
         return lora
 
     def _install_exact_sync(self) -> None:
-        trainer = self.trainer
-        if not getattr(trainer.args, "exact_lora_merge", True):
+        if exact_sync_model(self.trainer) is None:
             return
-        reason = None
-        if trainer.is_fsdp_enabled:
-            reason = "under FSDP TRL sends copies of the sharded parameters, which cannot be matched to their adapters"
-        elif unmergeable_layers(self.model):
-            reason = f"{', '.join(unmergeable_layers(self.model))} layers are folded by PEFT only"
-        if reason is not None:
-            logger.warning(f"LoRA weight syncs use PEFT's in-place merge and unmerge ({reason}): in bf16 the frozen "
-                           "base weights drift by rounding at every sync (docs/lora.md).")
-            return
-        generation = trainer.vllm_generation
+        generation = self.trainer.vllm_generation
         stream = generation._iter_named_params  # TRL's: gathers ZeRO-3 parameters, names them as vLLM expects
         generation._iter_named_params = lambda: exact_sync_stream(self.model, stream)
 
