@@ -28,6 +28,7 @@ ARMS = {
                                                 epsilon_high=0.27, routing_replay="old")),
 }
 SIZES = {  # overrides of trl_gspo/quickstart/tiny_qwen3_moe.json
+    "tiny": {},  # the quickstart's model itself (the benchmarks' smoke tests)
     "cpu": dict(hidden_size=256, intermediate_size=512, moe_intermediate_size=128, num_hidden_layers=4,
                 num_experts=16, num_experts_per_tok=4, num_attention_heads=8, num_key_value_heads=4, head_dim=32,
                 max_position_embeddings=512),

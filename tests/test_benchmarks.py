@@ -27,6 +27,8 @@ def _run(*args, timeout=600):
     ("noise_floor.py", ["--batch", "8", "--completion-length", "8", "--rollouts", "1"], "noise_floor"),
     ("routing_replay_overhead.py", ["--hidden", "64", "--experts", "8", "--expert-width", "32", "--tokens", "256",
                                     "--seq-len", "64", "--repeats", "2"], "routing_replay_overhead"),
+    ("lora_rollout.py", ["--size", "tiny", "--rank", "4", "--batch", "2", "--new-tokens", "2", "--seq-len", "16",
+                         "--micro-batches", "2", "--repeats", "1"], "lora_rollout"),
 ])
 def test_benchmark_prints_its_figure_last(script, args, name):
     last = _run(BENCHMARKS / script, *args)[-1]
