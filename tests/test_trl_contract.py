@@ -357,6 +357,41 @@ def test_gspo_trainer_subclasses_grpo_trainer():
     assert _parameters(GRPOTrainer.__init__)[:4] == ["self", "model", "reward_funcs", "args"]
 
 
+def test_vllm_weight_sync_stream_used_by_exact_lora_merge(tokenizer):
+    """`VLLMGeneration._iter_named_params()` with a PEFT model outside FSDP: looks up `model.merge_adapter` and
+    `unmerge_adapter` on the model when it runs (an instance attribute replaces them), and yields each parameter's
+    own storage (`param.data`) under vLLM's names, which is how `exact_sync_stream` recognises the adapted ones; PEFT's
+    `LoraLayer.merged_adapters` decides its layers' merged path; `ParamWrapper.get_delta_factors` and PEFT's parameter
+    proxies build the experts' `W + delta` (bit for bit the active forward: tests/test_lora_merge.py)."""
+    import contextlib
+    import types
+
+    from peft import LoraConfig, get_peft_model
+    from peft.tuners.lora import layer as lora_layer
+    from trl.generation.vllm_generation import VLLMGeneration
+
+    from trl_gspo.quickstart.model import build_model
+
+    model = get_peft_model(build_model(tokenizer), LoraConfig(r=2, target_modules=["q_proj"],
+                                                              target_parameters=["mlp.experts.down_proj"]))
+    generation = VLLMGeneration.__new__(VLLMGeneration)
+    generation.model = model
+    generation._dist = types.SimpleNamespace(gather_params=lambda params: contextlib.nullcontext(), is_fsdp=False)
+    calls = []
+    model.merge_adapter = lambda *a, **k: calls.append("merge")
+    model.unmerge_adapter = lambda *a, **k: calls.append("unmerge")
+    storages = {param.data_ptr() for param in model.parameters()}
+    streamed = list(generation._iter_named_params())
+    assert calls == ["merge", "unmerge"]
+    assert streamed and all(tensor.data_ptr() in storages for _, tensor in streamed)
+    assert "model.layers.0.mlp.experts.down_proj" in dict(streamed)
+    layers = [m for m in model.modules() if isinstance(m, lora_layer.LoraLayer)]
+    assert all(m.merged_adapters == [] for m in layers)
+    experts = next(m for m in layers if isinstance(m, lora_layer.ParamWrapper))
+    assert len(experts.get_delta_factors("default")) == 3
+    assert callable(lora_layer._LoraFactorsProxy) and callable(lora_layer._LoraParameterProxy)
+
+
 # --------------------------------------------------------------------------- the asynchronous trainer
 # trl_gspo/async_trainer.py, async_routing.py, async_config.py and the test stand-ins build on TRL 1.16's
 # `trl.experimental.async_grpo`, which TRL marks unstable. Its modules are imported inside the tests, so a release that
@@ -535,6 +570,21 @@ def test_async_sync_weight_bumps_model_version(async_trainer, monkeypatch):
     finally:
         trainer.model_version = trainer._policy_version = 0
         trainer._metrics["train"].clear()
+
+
+def test_async_merged_weight_sync_methods_used_by_exact_lora_merge():
+    """TRL's merged sync `_sync_weight_merged(t0)` calls `merge_adapter()` / `unmerge_adapter()` on the unwrapped
+    model around `_streaming_iter()`, which yields `param.detach()` (the parameter's own storage) outside FSDP2;
+    AsyncGSPOTrainer overrides both (tests/test_async_trainer.py checks the bf16 base bit for bit)."""
+    import inspect
+
+    from trl.experimental.async_grpo import AsyncGRPOTrainer
+
+    assert _parameters(AsyncGRPOTrainer._sync_weight_merged) == ["self", "t0"]
+    assert _parameters(AsyncGRPOTrainer._streaming_iter) == ["self"]
+    source = inspect.getsource(AsyncGRPOTrainer._sync_weight_merged)
+    assert "merge_adapter()" in source and "unmerge_adapter()" in source and "_streaming_iter()" in source
+    assert "param.detach()" in inspect.getsource(AsyncGRPOTrainer._streaming_iter)
 
 
 def test_async_set_signature_columns_are_the_packed_batch_keys(async_trainer):
@@ -978,7 +1028,8 @@ def test_async_grpo_config_fields_async_gspo_builds_on():
     assert {"heartbeat_stale_after_s", "router_aux_loss_coef", "per_device_train_batch_size", "report_to",
             "num_generations", "weight_sync_steps"} <= set(trl_fields)
     own = {f.name for f in dataclasses.fields(AsyncGSPOConfig)} - set(trl_fields)
-    assert own == {"loss_type", "routing_replay", "delta", "staleness_correction", "staleness_weight_cap"}
+    assert own == {"loss_type", "routing_replay", "delta", "staleness_correction", "staleness_weight_cap",
+                   "exact_lora_merge"}
     args = AsyncGRPOConfig(output_dir="unused", use_cpu=True, report_to="none")
     assert args.accelerator_config.dispatch_batches is True and args.accelerator_config.split_batches is True
 
