@@ -96,6 +96,10 @@ def test_lora_on_attention_and_experts_under_zero3_matches_one_process(tmp_path)
     one = _launch(tmp_path / "one", ONE_PROCESS, "--loss-type", "gspo", "--lora")
     two = _launch(tmp_path / "two", _two_processes("zero3"), "--loss-type", "gspo", "--lora")
     _assert_same_run(two, one, "zero3")
+    # HF generate ran with the adapters folded, under ZeRO-3 too (inside TRL's gather: ds3_gather_for_generation);
+    # the old-policy pass folds the experts on one process only: under ZeRO-3 its weights are shards
+    assert one["folds"]["generate"] > 0 and two["folds"]["generate"] == one["folds"]["generate"]
+    assert one["folds"]["old_pass"] > 0 and two["folds"]["old_pass"] == 0
 
 
 def test_zero3_checkpoint_saves_a_full_model_and_resumes(tmp_path):

@@ -108,6 +108,17 @@ if cli.lora:
 
     peft_config = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"],
                              target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"])
+folds = []  # with --lora: each block with the adapters folded (trl_gspo/trainer_lora.py), by pass
+if cli.lora:
+    import trl_gspo.trainer_lora as trainer_lora
+
+    folding = trainer_lora.merged_adapters
+
+    def counting(model_, experts_only=False, cache=None):
+        folds.append("old_pass" if experts_only else "generate")
+        return folding(model_, experts_only, cache)
+
+    trainer_lora.merged_adapters = counting
 model = keyed_sampling(build_model(tokenizer, seed=0), args.num_generations)
 trainer = FingerprintingTrainer(model, distinct_characters, args=args, train_dataset=toy_dataset(),
                                 processing_class=tokenizer, peft_config=peft_config)
@@ -133,6 +144,7 @@ if trainer.accelerator.is_main_process:
         "replayed": [h.get("routing/replayed_token_fraction") for h in history],
         "checksum": checksum,
         "fingerprints": fingerprints,
+        "folds": {name: folds.count(name) for name in ("generate", "old_pass")},
     }), flush=True)
 trainer.end()
 # Then leave without interpreter teardown. A gloo worker thread can still be destroying the last all_gather's work
