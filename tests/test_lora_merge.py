@@ -137,38 +137,46 @@ def _count_builds(monkeypatch):
     return builds
 
 
-def test_rollouts_fold_lora_and_the_first_mini_batch_stays_exactly_on_policy(tmp_path, tokenizer, monkeypatch):
-    """A bf16 base with LoRA on attention and experts, HF generate, 4 mini-batches per rollout: generation runs
-    folded, the old-policy pass reuses the experts' folded weights (built once per rollout), the first mini-batch of
-    each rollout has log-ratio exactly 0, and after 8 steps the base is bit for bit what it was."""
+def _train(tokenizer, tmp_path, fold):
     from peft import LoraConfig
 
-    builds = _count_builds(monkeypatch)
     model = build_model(tokenizer).to(torch.bfloat16)
     base = {name: param.detach().clone() for name, param in model.named_parameters()}
     trainer = GSPOTrainer(model, digit_reward, args=tiny_config(tmp_path, max_steps=8, steps_per_generation=4,
-                                                                per_device_train_batch_size=4, learning_rate=5e-2),
+                                                                per_device_train_batch_size=4, learning_rate=5e-2,
+                                                                merge_adapters_for_rollout=fold),
                           train_dataset=toy_dataset(), processing_class=tokenizer,
                           peft_config=LoraConfig(r=4, lora_alpha=8, **TARGETS))
-    folded_generations = []
-    original_merged = lora_merge.merged_adapters
-
-    @contextlib.contextmanager
-    def watching(model_, experts_only=False, cache=None):
-        with original_merged(model_, experts_only, cache) as targets:
-            folded_generations.append((experts_only, torch.is_grad_enabled()))
-            yield targets
-
-    monkeypatch.setattr("trl_gspo.trainer_lora.merged_adapters", watching)
     trainer.train()
-    logs = [h for h in trainer.state.log_history if "loss" in h]
-    assert len(logs) == 8
-    assert [h["gspo/log_ratio_abs_max"] for h in logs][::4] == [0.0, 0.0]  # on-policy: pi_theta == pi_old exactly
-    assert max(h["gspo/log_ratio_abs_max"] for h in logs) > 0  # the adapters trained
-    # per rollout: one folded generate, then the old-policy pass (one no-grad call per micro-batch) experts-only
-    assert (False, False) in folded_generations and (True, False) in folded_generations
-    assert sum(builds) == 2 * 4  # the experts' W + delta: 4 tensors, built once in each of the 2 rollouts
     after = {name.replace(".base_layer", ""): param for name, param in trainer.model.get_base_model().named_parameters()
              if "lora_" not in name}
     assert after.keys() == base.keys()
-    assert [name for name in base if not torch.equal(after[name], base[name])] == []
+    assert [name for name in base if not torch.equal(after[name], base[name])] == []  # the bf16 base, bit for bit
+    return [{k: v for k, v in h.items() if "time" not in k and "runtime" not in k and "per_second" not in k}
+            for h in trainer.state.log_history]
+
+
+def test_rollouts_fold_the_experts_and_change_nothing_bit_for_bit(tmp_path, tokenizer, monkeypatch):
+    """A bf16 base with LoRA on attention and experts, HF generate, 4 mini-batches per rollout: generation and the
+    old-policy pass run with the experts folded, built once per rollout, and the run is bit for bit the run with the
+    adapters active (every logged value: samples, rewards, losses, grad norms); the first mini-batch of each rollout
+    has log-ratio exactly 0, and the base is unchanged."""
+    builds = _count_builds(monkeypatch)
+    blocks = []
+    folding = lora_merge.merged_adapters
+
+    def watching(model_, experts_only=False, cache=None):
+        blocks.append((experts_only, torch.is_grad_enabled(), cache is not None))
+        return folding(model_, experts_only, cache)
+
+    monkeypatch.setattr("trl_gspo.trainer_lora.merged_adapters", watching)
+    folded = _train(tokenizer, tmp_path / "folded", fold=True)
+    assert blocks == [(True, False, True)] * 4  # per rollout: generate, then the old-policy pass
+    assert sum(builds) == 2 * 4  # the experts' W + delta: 4 tensors, built once in each of the 2 rollouts
+    active = _train(tokenizer, tmp_path / "active", fold=False)
+    assert len(blocks) == 4
+    assert folded == active
+    logs = [h for h in folded if "loss" in h]
+    assert len(logs) == 8
+    assert [h["gspo/log_ratio_abs_max"] for h in logs][::4] == [0.0, 0.0]  # on-policy: pi_theta == pi_old exactly
+    assert max(h["gspo/log_ratio_abs_max"] for h in logs) > 0  # the adapters trained

@@ -102,9 +102,9 @@ class GSPOConfig(GRPOConfig):
             per-token log-probs, and no old-policy pass runs (paper Sec. 5.4; `trl_gspo.sampling.old_logps`).
             Measured safe only with a sampler in the trainer's precision (docs/gspo.md).
         merge_adapters_for_rollout (`bool`, defaults to `True`):
-            With LoRA: HF generate with the adapters folded into the weights, and the old-policy pass with the
-            experts' adapters folded once per rollout (bit for bit the training forward's weights). The frozen base
-            is never written; costs one copy of the adapted weights during a rollout (docs/lora.md).
+            With LoRA on the experts: HF generate and the old-policy pass with the experts' adapters folded once
+            per rollout, bit for bit the active forward (PEFT otherwise rebuilds them in every forward). The frozen
+            base is never written; costs one copy of the adapted expert weights during a rollout (docs/lora.md).
         exact_lora_merge (`bool`, defaults to `True`):
             With LoRA and vLLM: weight syncs send `W + delta` built out of place, one parameter at a time, so the
             frozen base stays bit for bit unchanged (TRL's in-place merge and unmerge drift it in bf16).
@@ -208,10 +208,10 @@ class GSPOConfig(GRPOConfig):
     merge_adapters_for_rollout: bool = field(
         default=True,
         metadata={
-            "help": "With LoRA (PEFT): HF generate runs with the adapters folded into the weights, and TRL's "
-            "old-policy pass with the experts' adapters (`target_parameters`) folded, built once per rollout and "
-            "bit for bit what the training forward uses. Needs the whole model on the device (one process, DDP, "
-            "ZeRO-1/2, ZeRO-3 with `ds3_gather_for_generation`) and one extra copy of the adapted weights during "
+            "help": "With LoRA on the experts (PEFT `target_parameters`): HF generate and TRL's old-policy pass "
+            "run with the experts' adapters folded into the weights, W + delta built once per rollout instead of in "
+            "every forward; bit for bit the active forward. Needs the whole model on the device (one process, DDP, "
+            "ZeRO-1/2, ZeRO-3 with `ds3_gather_for_generation`) and one copy of the adapted expert weights during "
             "the rollout; the frozen base is never written (docs/lora.md)."
         },
     )

@@ -4,11 +4,11 @@
 - Weight syncs to vLLM (TRL's `VLLMGeneration._iter_named_params`): each adapted base tensor is sent as `W + delta`
   built out of place, one parameter at a time, instead of TRL's in-place `merge_adapter()` / `unmerge_adapter()`,
   whose bf16 rounding moves the base a little at every sync (`exact_lora_merge`).
-- A rollout (`merge_adapters_for_rollout`): HF generate runs with every adapter folded (PEFT's per-forward rebuild of
-  `W + delta` for all experts of a layer, decode steps included, is skipped), and TRL's old-policy pass with the
-  experts' adapters folded, built once per rollout: the same tensors the training forward builds, so the
-  on-policy ratio stays exactly 1. Only where the whole model is on the device; a ZeRO-3 model generating layer by
-  layer (`ds3_gather_for_generation=False`) or an FSDP2 model keeps PEFT's active path.
+- A rollout (`merge_adapters_for_rollout`): HF generate and TRL's old-policy pass run with the experts' adapters
+  folded, `W + delta` built once per rollout instead of in every forward (decode steps included). They are the
+  tensors the active forward builds, so generation and the old-policy pass are bit for bit what they are with the
+  adapters active, and the on-policy ratio stays exactly 1. Only where the whole model is on the device; a ZeRO-3
+  model generating layer by layer (`ds3_gather_for_generation=False`) or an FSDP2 model keeps PEFT's active path.
 """
 
 from __future__ import annotations
@@ -80,7 +80,9 @@ class TrainerLora:
             def folded_generate(*args, **kwargs):
                 if not model_is_whole(self.model):  # sharded while generating: each layer gathered in its forward
                     return original(*args, **kwargs)
-                with merged_adapters(self.model, cache=self.cache):
+                # the experts only: attention LoRA costs two thin matmuls, and folding it would change the samples'
+                # log-probs by rounding; folding the experts changes nothing, bit for bit
+                with merged_adapters(self.model, experts_only=True, cache=self.cache):
                     return original(*args, **kwargs)
 
             self.model.generate = folded_generate  # TRL calls it inside its unwrap/gather context
