@@ -7,12 +7,15 @@
 
 Prints the median times, the operators each arm dispatches per step (each one a kernel launch on a GPU, views
 aside) and its host reads (each a device sync on a GPU) - both counted on any device, so a CPU run shows what replay
-adds to a GPU step's launch count - the recording's bytes per token, and last
+adds to a GPU step's launch count - and what replay adds per MoE layer and per forward call (the slope and intercept
+of the added count over the layer count, from a second model of the same widths with fewer layers, counted once and
+not timed), the recording's bytes per token, and last
 `routing_replay_overhead: <ratio> (target <= 1.02)`.
 """
 
 import argparse
 import collections
+import contextlib
 import os
 import statistics
 import sys
@@ -70,13 +73,18 @@ def main():
         vars(args).update(GPU_SIZE)
 
     dtype = getattr(torch, args.dtype)
-    config = Qwen3MoeConfig(
-        vocab_size=1024, hidden_size=args.hidden, num_hidden_layers=args.layers, num_attention_heads=8,
-        num_key_value_heads=4, head_dim=args.hidden // 8, num_experts=args.experts, num_experts_per_tok=args.top_k,
-        moe_intermediate_size=args.expert_width, norm_topk_prob=True, max_position_embeddings=args.seq_len,
-    )
-    torch.manual_seed(0)
-    model = Qwen3MoeForCausalLM(config).to(args.device, dtype).train()  # transformers' default experts kernel
+
+    def build(layers):
+        config = Qwen3MoeConfig(
+            vocab_size=1024, hidden_size=args.hidden, num_hidden_layers=layers, num_attention_heads=8,
+            num_key_value_heads=4, head_dim=args.hidden // 8, num_experts=args.experts, num_experts_per_tok=args.top_k,
+            moe_intermediate_size=args.expert_width, norm_topk_prob=True, max_position_embeddings=args.seq_len,
+        )
+        torch.manual_seed(0)
+        return Qwen3MoeForCausalLM(config).to(args.device, dtype).train()  # transformers' default experts kernel
+
+    model = build(args.layers)
+    config = model.config
     _setup.header("routing_replay_overhead", args.device, dtype, _setup.experts_kernel(model))
     batch = args.tokens // args.seq_len
     ids = torch.randint(0, config.vocab_size, (batch, args.seq_len), device=args.device)
@@ -104,6 +112,25 @@ def main():
         with _setup.count_host_reads() as reads, CountOps() as ops:
             step(with_replay)
         launches[with_replay], host_reads[with_replay] = ops.counts, reads["count"]
+    # The same count on a model with fewer layers: the difference is what each MoE layer adds.
+    fewer = 1 if args.layers > 1 else 2
+    small = build(fewer)
+    small_replay = RoutingReplay(small)
+    with torch.no_grad(), small_replay.record() as small_recording:
+        small(input_ids=ids)
+
+    def small_step(with_replay: bool) -> None:
+        small.zero_grad(set_to_none=True)
+        with small_replay.replay(small_recording.indices) if with_replay else contextlib.nullcontext():
+            small(input_ids=ids, labels=ids).loss.backward()
+
+    small_step(False), small_step(True)  # warm-up: the gate formula is checked in the first replay
+    small_kernels = {}
+    for with_replay in (False, True):
+        with CountOps() as ops:
+            small_step(with_replay)
+        small_kernels[with_replay] = ops.counts["kernels"]
+    del small, small_replay, small_recording
     plain, replayed = [], []
     for _ in range(args.repeats):  # interleaved, so drifting machine load hits both alike
         plain.append(step(False))
@@ -113,9 +140,12 @@ def main():
           f"expert_width={args.expert_width} layers={args.layers} tokens={batch * args.seq_len}")
     print(f"forward+backward median: plain {plain_median * 1e3:.1f} ms, replay {replay_median * 1e3:.1f} ms")
     added = launches[True]["kernels"] - launches[False]["kernels"]
+    per_layer = (added - (small_kernels[True] - small_kernels[False])) / (args.layers - fewer)
     print(f"operators per step (kernel launches on a GPU; views apart): plain {launches[False]['kernels']} "
           f"(+{launches[False]['views']} views), replay {launches[True]['kernels']} (+{launches[True]['views']} "
-          f"views): replay adds {added}, {added / args.layers:.1f} per MoE layer")
+          f"views): replay adds {added}")
+    print(f"added operators per MoE layer: {per_layer:g}, plus {added - per_layer * args.layers:g} per forward call "
+          f"(slope and intercept over {fewer} and {args.layers} layers)")
     print(f"host reads per step (device syncs on a GPU): plain {host_reads[False]}, replay {host_reads[True]}")
     print(f"recording: {recording.bytes_per_token} bytes per token ({recording.indices.dtype}, "
           f"{recording.bytes_per_token / (args.layers * args.top_k):.0f} byte per (token, layer, k))")

@@ -592,3 +592,73 @@ def test_replay_block_reads_nothing_to_the_host():
         counts[replayed] = reads["count"]
     assert counts[True] == counts[False]  # the model's own reads (its experts loop, its loss), nothing added
     assert rr.token_counts.shape == (len(rr.routers), 3) and float(rr.drift.max()) > 0  # reading them is the sync
+
+
+# ---------------------------------------------------------------- operators replay adds
+class _CountOperators(torch.utils._python_dispatch.TorchDispatchMode):
+    """Non-view operators dispatched inside the block (as benchmarks/routing_replay_overhead.py counts them)."""
+
+    VIEWS = {"view", "_unsafe_view", "select", "slice", "permute", "expand", "detach", "t", "transpose", "unsqueeze",
+             "squeeze", "alias", "as_strided", "reshape", "unbind", "split", "split_with_sizes", "unfold", "view_as"}
+
+    def __init__(self):
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.count += func.overloadpacket.__name__ not in self.VIEWS
+        return func(*args, **(kwargs or {}))
+
+
+def _added_operators(layers):
+    """Operators a replayed forward+backward dispatches beyond a plain one, on a Qwen3-MoE of `layers` layers."""
+    config = transformers.Qwen3MoeConfig(**{**COMMON, "num_hidden_layers": layers}, head_dim=8, num_experts=6,
+                                         num_experts_per_tok=2, moe_intermediate_size=16, norm_topk_prob=True)
+    torch.manual_seed(0)
+    model = transformers.Qwen3MoeForCausalLM(config).train()
+    ids, mask = _batch()
+    rr = RoutingReplay(model)
+    with torch.no_grad(), rr.record() as rec:
+        model(input_ids=ids, attention_mask=mask)
+
+    def step(replay):
+        with rr.replay(rec.indices) if replay else nullcontext():
+            model(input_ids=ids, attention_mask=mask, labels=ids).loss.backward()
+
+    step(False), step(True)  # first calls check the gate formula once per router class
+    counts = []
+    for replay in (False, True):
+        with _CountOperators() as ops:
+            step(replay)
+        counts.append(ops.count)
+    return counts[1] - counts[0]
+
+
+def test_replay_adds_at_most_three_operators_per_moe_layer():
+    """Forward+backward, unmasked replay of a Qwen3-MoE: the slope over the layer count is what each MoE layer adds
+    (the rest is paid once per forward call)."""
+    two, four = _added_operators(2), _added_operators(4)
+    per_layer = (four - two) / 2
+    assert per_layer <= 3, f"replay adds {per_layer} operators per MoE layer ({two} at 2 layers, {four} at 4)"
+    assert two - 2 * per_layer <= 20, f"replay adds {two - 2 * per_layer} operators per forward call"
+
+
+def test_drift_statistics_are_the_sorted_top_k_set_comparison():
+    """`token_counts` per layer: (tokens whose natural top-k set differs from the recorded one, of those the ones
+    forced, tokens counted), as the sorted-set comparison of the two recordings gives them, with real drift."""
+    model, ids, mask, rr, rec = _recorded_then_perturbed()
+    with torch.no_grad():
+        with rr.record() as natural:
+            model(input_ids=ids, attention_mask=mask)
+        forced = torch.zeros(ids.shape, dtype=torch.bool)
+        forced[:, 1::2] = True
+        with rr.replay(rec.indices, mask=forced, stats_mask=mask):
+            model(input_ids=ids, attention_mask=mask)
+    changed = (rec.indices.long().sort(-1).values != natural.indices.long().sort(-1).values).any(-1)  # [B, S, L]
+    weight = mask[..., None].double()
+    expected = torch.stack([(changed * weight).sum((0, 1)), (changed * forced[..., None] * weight).sum((0, 1)),
+                            weight.sum((0, 1)).expand(changed.shape[-1])], dim=1)
+    assert expected[:, 0].min() > 0 and expected[:, 1].sum() < expected[:, 0].sum()  # drift, partly forced
+    torch.testing.assert_close(rr.token_counts, expected, rtol=0, atol=0)
+    torch.testing.assert_close(rr.drift, (expected[:, 0] / expected[:, 2]).float())
+    assert rr.overridden_fraction == pytest.approx(float(expected[:, 1].sum() / expected[:, 2].sum()))

@@ -1,9 +1,11 @@
 """Record which experts each token used, and force the same experts in a later forward (routing replay).
 
-Works on stock transformers 5.x MoE models whose routers return `(logits, weights, indices)`, by forward hooks on
-the router modules: nothing in the model is patched, and the experts implementation (eager, batched_mm,
-grouped_mm) does not matter because the experts only ever see the (replaced) indices and weights. Knows nothing
-of TRL.
+Works on stock transformers 5.x MoE models whose routers return `(logits, weights, indices)`, by hooks on the
+router modules: nothing in the model is patched, and the experts implementation (eager, batched_mm, grouped_mm)
+does not matter because the experts only ever see the (forced) indices and weights. While a router runs under
+replay, its top-k over the experts returns the forced experts (a `TorchFunctionMode` active for that router call
+only), so the router computes their gate weights with its own code; a router that picks its experts another way has
+its output replaced with its family's gate formula (trl_gspo/routing/formulas.py). Knows nothing of TRL.
 
     rr = RoutingReplay(model)
     with rr.record() as rec:              # rec.indices: [batch, seq_len, moe_layers, top_k], uint8
@@ -20,6 +22,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
+from torch.overrides import TorchFunctionMode
 
 from .formulas import CANDIDATES, KNOWN_ROUTERS, TRIPLE, UNSUPPORTED_ROUTERS, GateFormula, OutputLayout, reproduces
 
@@ -55,14 +58,43 @@ def route_changes(indices: torch.Tensor, other: torch.Tensor, per_layer: bool = 
     return changed if per_layer else changed.any(-1)
 
 
-def _fold_counts(weight: torch.Tensor, keep: torch.Tensor | None, drifted: list) -> torch.Tensor:
-    """`[layers, 3]` (drifted, overridden, counted) weighted token counts of one replayed forward call, from its
-    per-layer bool `drifted` token flags, the tokens it forced (`keep` `[tokens, 1]`, None: all) and their float64
-    `weight`; on the call's input device."""
-    drifted = torch.stack([flags.to(weight.device) for flags in drifted])
+def _fold_counts(weight: torch.Tensor, keep: torch.Tensor | None, recorded_sets: torch.Tensor,
+                 natural: list) -> torch.Tensor:
+    """`[layers, 3]` (drifted, overridden, counted) weighted token counts of one replayed forward call, on the call's
+    input device. A token drifted in a layer when the layer's natural top-k set (`natural[layer]`, `[tokens, k]`)
+    differs from the recorded one (`recorded_sets`, `[layers, tokens, k]`, sorted); it was overridden when it also
+    was forced (`keep` `[tokens, 1]`, None: all). `weight` is the float64 weight of each token."""
+    natural = torch.stack([indices.to(weight.device) for indices in natural]).sort(-1).values
+    drifted = (recorded_sets.to(weight.device) != natural).any(-1)
     overridden = drifted if keep is None else drifted & keep.reshape(1, -1)
     return torch.stack([drifted.double() @ weight, overridden.double() @ weight,
                         weight.sum().expand(len(drifted))], dim=1)
+
+
+class _ForcedTopK(TorchFunctionMode):
+    """Active while one router runs under `replay()`: its top-k over the experts (`[tokens, experts]` in,
+    `[tokens, k]` out) returns the forced experts instead, with the values of its own input there (one gather). The
+    router then computes its gate weights with its own code, so they are bit-identical to the router's wherever the
+    forced experts are its natural ones, and replay needs no formula of its own. The natural indices are kept for
+    the drift statistics."""
+
+    def __init__(self, forced: torch.Tensor, keep: torch.Tensor | None, num_experts: int):
+        super().__init__()
+        self.forced, self.keep, self.num_experts = forced, keep, num_experts
+        self.natural: torch.Tensor | None = None  # what the top-k chose
+        self.returned: torch.Tensor | None = None  # what it returned instead
+        self.hits = 0
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if (func is torch.topk or func is torch.Tensor.topk) and args[0].dim() == 2 \
+                and args[0].shape[-1] == self.num_experts and out.indices.shape == self.forced.shape:
+            self.hits += 1
+            self.natural = out.indices
+            forced = self.forced if self.keep is None else torch.where(self.keep, self.forced, out.indices)
+            self.returned = forced
+            return torch.return_types.topk((args[0].gather(-1, forced), forced))
+        return out
 
 
 class RoutingReplayError(RuntimeError):
@@ -228,13 +260,17 @@ class RoutingReplay:
         return self._formulas[cls]
 
     # ------------------------------------------------------------------ hooks
-    def _install(self, router_hook, model_hook) -> None:
+    def _install(self, router_hook, model_hook, router_pre_hook=None) -> None:
         self._remove()
         self._disarm_guard()
         self._handles.append(self.model.register_forward_pre_hook(model_hook, with_kwargs=True))
         for layer, router in enumerate(self.routers):
+            if router_pre_hook is not None:
+                self._handles.append(router.register_forward_pre_hook(
+                    lambda module, args, layer=layer: router_pre_hook(layer, module, args)))
             self._handles.append(router.register_forward_hook(
-                lambda module, args, output, layer=layer: router_hook(layer, module, output)))
+                lambda module, args, output, layer=layer: router_hook(layer, module, output),
+                always_call=router_pre_hook is not None))
 
     def _remove(self) -> None:
         for handle in self._handles:
@@ -345,6 +381,12 @@ class RoutingReplay:
 
         Keep the block open until `backward()` has finished when gradient checkpointing is on: the checkpointed
         layers re-run their routers during backward and must see the same forced experts.
+
+        Cost: on a Qwen3-MoE without `mask`, each MoE layer adds one operator (the gather of the forced experts'
+        probabilities in place of the top-k's values; forward and backward together, counted by
+        benchmarks/routing_replay_overhead.py); the rest (the rows' copy, widening and sort, the drift statistics)
+        is paid once per forward call. `mask` adds one `where` per layer. Families whose output is replaced instead
+        (Llama4's dense layout) add the gate formula, the casts of indices and weights, and with `mask` two `where`s.
         """
         if indices.dim() != 4 or indices.shape[2] != len(self.routers) or indices.shape[3] != self.top_k:
             raise RoutingReplayError(
@@ -354,11 +396,12 @@ class RoutingReplay:
         state = {"row": 0, "current": None, "calls": 0}
         fired = [False] * len(self.routers)
         pending = [0] * len(self.routers)  # checkpoint recomputations still owed by backward, per layer
-        # Per forward call: its token weights for the statistics, the tokens it forces and, per layer, the tokens
-        # whose natural experts differ from the recorded ones. Folded into counts once per call, on the device, so a
-        # layer adds no statistics ops beyond a sort and two compares and the block no host read (reading `drift`
-        # or `overridden_fraction` later is the one).
-        calls: list[tuple[torch.Tensor, torch.Tensor | None, list]] = []
+        active: list = [None] * len(self.routers)  # the forced top-k mode of a router that is running
+        # Per forward call: its token weights for the statistics, the tokens it forces, its recorded sets and, per
+        # layer, the natural indices the router chose (its own tensor: keeping it costs no operator). Folded into
+        # counts once per call, after the block, on the device, so a layer adds no statistics operator and the
+        # block no host read (reading `drift` or `overridden_fraction` later is the one).
+        calls: list[tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, list]] = []
         checkpointing = self._checkpointing()
 
         def model_hook(module, args, kwargs):
@@ -377,52 +420,80 @@ class RoutingReplay:
                     "inputs (same padding) that were recorded."
                 )
             # Once per call, not per layer: the call's rows go to the device in one copy (asynchronous from pinned
-            # memory), as [layers, tokens, k] in the recording's 1-2 byte dtype (widened per layer: an int64 copy of
-            # every layer at once would cost 8x the memory), and are sorted once for the drift comparison.
+            # memory) as [layers, tokens, k], are widened to the int64 that gather and the experts index with (so
+            # a layer only takes a view; this costs 8 bytes per (token, layer, k) for the duration of the call and
+            # its backward, e.g. 25 MB for 48 layers x 8192 tokens x top-8), and sorted for the drift comparison.
             routes = indices[start:start + batch].to(device, non_blocking=True)
             routes = routes.permute(2, 0, 1, 3).reshape(len(self.routers), batch * length, self.top_k)
             keep = None if mask is None else mask[start:start + batch].reshape(-1, 1).to(device, torch.bool)
             weight = (torch.ones(batch * length, device=device, dtype=torch.float64) if stats_mask is None else
                       stats_mask[start:start + batch].reshape(-1).to(device, torch.float64))
-            state["current"] = (routes, routes.sort(-1).values, keep)
-            calls.append((weight, keep, [None] * len(self.routers)))
+            state["current"] = (routes.to(torch.long, memory_format=torch.contiguous_format), keep)
+            calls.append((weight, keep, routes.sort(-1).values, [None] * len(self.routers)))
             state["row"] += batch
             state["calls"] += 1
 
-        def router_hook(layer, router, output):
-            layout = self._layout(router)
-            logits, weights, natural = self._unpack(router)(output)
+        def forced_experts(layer, device):
             if state["current"] is None:
                 raise RoutingReplayError("a router ran outside a call of the model given to RoutingReplay.")
-            routes, recorded_sets, keep = state["current"]
-            forced = routes[layer].to(natural.device, torch.long)
-            if forced.shape[0] != natural.shape[0]:
+            routes, keep = state["current"]
+            return routes[layer].to(device), None if keep is None else keep.to(device)  # no-ops on one device
+
+        def router_pre_hook(layer, router, args):
+            if self._layout(router) is TRIPLE and args and torch.is_tensor(args[0]):
+                active[layer] = _ForcedTopK(*forced_experts(layer, args[0].device), self.num_experts)
+                active[layer].__enter__()
+
+        def router_hook(layer, router, output):
+            mode, active[layer] = active[layer], None
+            if mode is not None:
+                mode.__exit__(None, None, None)
+            if output is None:  # the router raised (this hook always runs): its error goes through
+                return None
+            layout = self._layout(router)
+            logits, weights, indices = self._unpack(router)(output)
+            forced, keep = forced_experts(layer, indices.device)
+            if forced.shape[0] != indices.shape[0]:
                 raise RoutingReplayError(
-                    f"token-count mismatch in {self.layer_names[layer]}: router saw {natural.shape[0]} tokens, "
+                    f"token-count mismatch in {self.layer_names[layer]}: router saw {indices.shape[0]} tokens, "
                     f"the recording has {forced.shape[0]}."
                 )
-            index_dtype, natural = natural.dtype, natural.long()
-            if keep is not None:
-                keep = keep.to(natural.device)
-                forced = torch.where(keep, forced, natural)
-            formula = self._formula(router, logits, weights, natural)
+            if mode is not None and mode.hits > 1:
+                raise RoutingReplayError(
+                    f"{type(router).__name__} takes the top-k over its experts more than once, so replay cannot tell "
+                    "which one picks the experts. Fix: set routing_replay='none' for this model."
+                )
+            # The router picked its experts through the forced top-k and returned them: its own weights are the
+            # weights of the forced experts, computed by its own code. Otherwise (the dense layout of Llama4, a
+            # router that picks experts another way) its output is replaced, with the family's gate formula.
+            own = mode is not None and mode.hits == 1 and indices is mode.returned
+            natural = mode.natural if own else indices
+            formula = self._formula(router, logits, weights, indices)  # checked once per router class
             if torch._C._current_graph_task_id() != -1:  # a checkpoint recomputation must not count twice
                 pending[layer] -= 1
             else:
                 fired[layer] = True
                 if checkpointing and torch.is_grad_enabled() and logits.requires_grad:
                     pending[layer] += 1  # backward will re-run this router and must see the same forced experts
-                calls[-1][2][layer] = (recorded_sets[layer].to(natural.device) != natural.sort(-1).values).any(-1)
+                calls[-1][3][layer] = natural
+            if own:
+                return None
+            index_dtype, natural = natural.dtype, natural.long()
+            if keep is not None:
+                forced = torch.where(keep, forced, natural)
             new_weights = formula.fn(router, logits, forced).to(weights.dtype)
             if keep is not None:  # unforced tokens keep the router's own output, bit for bit
                 new_weights = torch.where(keep, new_weights, weights)
             return layout.pack(router, output, logits, new_weights, forced.to(index_dtype))
 
-        self._install(router_hook, model_hook)
+        self._install(router_hook, model_hook, router_pre_hook)
         try:
             yield self
         finally:
             self._remove()
+            for mode in active:  # a router that raised inside its top-k hook
+                if mode is not None:
+                    mode.__exit__(None, None, None)
             if any(count > 0 for count in pending):
                 self._arm_guard()
         if state["calls"] == 0:
@@ -430,4 +501,5 @@ class RoutingReplay:
         if not all(fired):
             silent = [self.layer_names[i] for i in range(len(self.routers)) if not fired[i]]
             raise RoutingReplayError(f"routers {silent[:3]} never fired during replay; nothing was replayed there.")
-        self.token_counts = sum(_fold_counts(*call) for call in calls)
+        counts = [_fold_counts(*call) for call in calls]
+        self.token_counts = counts[0] if len(counts) == 1 else torch.stack(counts).sum(0)
