@@ -35,6 +35,8 @@ print('transformers', transformers.__version__, 'trl', trl.__version__, 'acceler
   timeout 100 python3 benchmarks/routing_replay_overhead.py --size gpu --repeats 41 --profile 3
   stamp loss_overhead
   timeout 80 python3 benchmarks/loss_overhead.py --size gpu --device cuda --repeats 41
+  stamp lora_rollout
+  timeout 120 python3 benchmarks/lora_rollout.py --size gpu --step-memory 4096,256 --step-batch 2
   stamp done
 } > "$OUT_DIR/bench.log" 2>&1
 
