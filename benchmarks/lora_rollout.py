@@ -8,10 +8,11 @@
 
 Arms, median over `--repeats`:
 - HF generate, `--batch` prompts x `--new-tokens` tokens (every completion full length): time per decode step,
-  adapters active (PEFT rebuilds W + delta of every expert of a layer in every forward) vs folded for the call.
+  adapters active (PEFT rebuilds W + delta of every expert of a layer in every forward) vs the experts folded for
+  the call (as GSPOTrainer's rollouts do; attention adapters stay active).
 - the old-policy pass: `--micro-batches` no-grad forwards of `--batch` x `--seq-len` tokens, active vs the experts
   folded once for all of them (what GSPOTrainer does; bit for bit the active forward, checked here too).
-- folding itself (enter and leave `merged_adapters`) beside PEFT's merge_adapter + unmerge_adapter.
+- folding the experts (enter and leave `merged_adapters`) beside PEFT's merge_adapter + unmerge_adapter (all).
 
 Prints the header, one line per arm, `folded_memory_gib` (the extra copy a folded rollout holds), and last
 `lora_rollout: <generate active / folded> (target > 1: folding pays)`.
@@ -113,8 +114,8 @@ def main():
             return model.generate(input_ids=prompts, attention_mask=torch.ones_like(prompts), do_sample=False,
                                   max_new_tokens=new_tokens, min_new_tokens=new_tokens, pad_token_id=0)
 
-    def generate_folded():
-        with merged_adapters(model):
+    def generate_folded():  # as GSPOTrainer folds a rollout: the experts (attention LoRA stays active)
+        with merged_adapters(model, experts_only=True, cache={}):
             return generate()
 
     def old_pass():
@@ -131,7 +132,7 @@ def main():
             model.unmerge_adapter()
 
     def fold():
-        with merged_adapters(model):
+        with merged_adapters(model, experts_only=True, cache={}):
             pass
 
     arms = {"generate_active": generate, "generate_folded": generate_folded, "old_pass_active": old_pass,
@@ -145,17 +146,19 @@ def main():
                 times[name].append(seconds)
     median = {name: statistics.median(values) for name, values in times.items()}
     exact = all(torch.equal(a, b) for a, b in zip(outputs["old_pass_active"], outputs["old_pass_folded"]))
+    same_tokens = torch.equal(outputs["generate_active"], outputs["generate_folded"])
     per_step = {name: median[f"generate_{name}"] / new_tokens * 1e3 for name in ("active", "folded")}
     print(f"generate, {batch} x {new_tokens} tokens, per decode step: active {per_step['active']:.2f} ms, folded "
-          f"{per_step['folded']:.2f} ms (the fold included): {per_step['active'] / per_step['folded']:.2f}x",
+          f"{per_step['folded']:.2f} ms (the fold included): {per_step['active'] / per_step['folded']:.2f}x; "
+          f"same tokens: {same_tokens}",
           flush=True)
     print(f"old-policy pass, {args.micro_batches} x {batch} x {seq_len} tokens: active "
           f"{median['old_pass_active']:.3f} s, experts folded once {median['old_pass_folded']:.3f} s: "
           f"{median['old_pass_active'] / median['old_pass_folded']:.2f}x; bit for bit equal: {exact}", flush=True)
     print(f"fold + unfold (merged_adapters) {median['fold']:.3f} s; PEFT merge_adapter + unmerge_adapter "
           f"{median['peft_merge_unmerge']:.3f} s", flush=True)
-    print(f"folded_memory_gib: {extra:.2f} while generating folded, {experts:.2f} (the experts) through a rollout",
-          flush=True)
+    print(f"folded_memory_gib: {experts:.2f} (the adapted expert weights, held through a rollout; "
+          f"{extra:.2f} with attention too, as a weight sync sends them, one tensor at a time)", flush=True)
     if args.step_memory:
         if torch.device(device).type != "cuda":
             print("step memory: skipped (needs CUDA)")
@@ -164,8 +167,8 @@ def main():
             above, peak = step_memory(model, device, args.step_batch, prompt, completion)
             print(f"LoRA step, {args.step_batch} x ({prompt} + {completion}) tokens, checkpointing: peak "
                   f"{peak:.1f} GiB, {above:+.1f} GiB above weights, adapters and AdamW state", flush=True)
-    if not exact:
-        raise SystemExit("the old-policy pass with folded experts differs from the active forward")
+    if not (exact and same_tokens):
+        raise SystemExit("folded experts changed the old-policy pass or the generated tokens")
     print(f"lora_rollout: {median['generate_active'] / median['generate_folded']:.3f} (target > 1: folding pays)")
 
 
