@@ -25,7 +25,7 @@ from conftest import cpu_env
 from safetensors.torch import load_file
 from test_multiprocess import ONE_PROCESS, RUN_SCRIPT, _assert_same_run, _free_port
 
-from trl_gspo import cli, multinode
+from trl_gspo.launch import cli, multinode
 
 ROOT = Path(__file__).resolve().parents[1]
 ACCELERATE = ROOT / "recipes" / "accelerate"

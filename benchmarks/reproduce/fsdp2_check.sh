@@ -28,7 +28,7 @@ result() { echo "== RESULT $*" | tee -a "$OUT_DIR/results.txt"; }
 if [ "${FSDP_CPU:-0}" = 1 ]; then
   CLI=("$PY" tests/scripts/fsdp_cpu.py cli); HW=(--use_cpu false --bf16 false); SCALE=cpu; SLOW=4
 else
-  CLI=("$PY" -m trl_gspo.cli); HW=(--use_cpu false --bf16 true); SCALE=gpu; SLOW=1
+  CLI=("$PY" -m trl_gspo.launch.cli); HW=(--use_cpu false --bf16 true); SCALE=gpu; SLOW=1
 fi
 DRY_ARGS=(); [ "${DRY:-0}" = 1 ] && DRY_ARGS=(--dry_run true)
 LAUNCH=(--accelerate_config recipes/accelerate/fsdp2.yaml --num_processes 1)

@@ -9,6 +9,4 @@
 - `rewards`, `tool_registry`: rewards, tools and environments named in a recipe.
 - `launching`, `multinode`: the launcher's process tree and signals; several nodes.
 - `reporting`: the end-of-run summary and training curves.
-
-The old paths (`trl_gspo.cli`, `trl_gspo.train`, `trl_gspo.recipe`, ...) still import and run.
 """

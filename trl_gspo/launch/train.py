@@ -4,7 +4,7 @@ Also runs under `accelerate launch [options] -m trl_gspo.launch.train --config r
 `python -m trl_gspo.launch.train cold-start --config recipe.yaml` only prepares the built-in model (with its SFT cold
 start) in this one process: what `trl-gspo` runs before a DeepSpeed launch, whose processes cannot run the SFT.
 Imports flow one way: the command (`trl_gspo.launch.cli`) launches this module by name, this module uses `recipe`,
-`checks`, `rewards` and the trainer. (`python -m trl_gspo.train` still runs it, through the old path's shim.)
+`checks`, `rewards` and the trainer.
 """
 
 from __future__ import annotations
