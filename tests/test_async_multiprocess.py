@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 from conftest import cpu_env
 
-pytestmark = [pytest.mark.slow, pytest.mark.multiprocess]
+pytestmark = pytest.mark.slow
 SCRIPT = Path(__file__).parent / "scripts" / "async_multiprocess_run.py"
 ONE = ["--num_processes", "1", "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no"]
 TWO = ["--config_file", str(Path(__file__).parents[1] / "recipes" / "accelerate" / "cpu_ddp.yaml"), "--num_processes",

@@ -121,7 +121,6 @@ use_cpu: true
 
 
 @pytest.mark.slow
-@pytest.mark.multiprocess
 def test_fsdp2_on_two_cpu_processes_is_refused_by_each(tmp_path):
     """Two CPU processes launched by hand with an FSDP2 config: accelerate picks MULTI_CPU (no FSDP), and each
     process stops before loading a model instead of training without FSDP. About 15 s on 2 cores."""

@@ -132,7 +132,6 @@ def two_node_runs(tmp_path_factory):
 
 @pytest.mark.parametrize("backend", list(CONFIGS))
 @pytest.mark.slow
-@pytest.mark.multiprocess
 def test_readme_multinode_command_trains_like_one_node(backend, two_node_runs, one_node_runs):
     out, nodes = two_node_runs[backend]
     for code, _, stderr in nodes:
@@ -162,7 +161,6 @@ def test_readme_multinode_command_trains_like_one_node(backend, two_node_runs, o
 
 @pytest.mark.parametrize("backend", list(CONFIGS))
 @pytest.mark.slow
-@pytest.mark.multiprocess
 def test_two_nodes_match_one_process(backend, tmp_path):
     """tests/scripts/multiprocess_run.py keys its sampling noise by (prompt, copy, position), so one process and two
     draw the same completions: two nodes must reproduce the one-process run (GRPO + routing replay)."""
@@ -190,7 +188,6 @@ def test_two_nodes_match_one_process(backend, tmp_path):
 
 @pytest.mark.parametrize("backend", list(CONFIGS))
 @pytest.mark.slow
-@pytest.mark.multiprocess
 def test_kill_and_resume_on_a_shared_output_dir_continues_exactly(backend, two_node_runs, tmp_path):
     """Both launchers stopped by SIGTERM (as a scheduler stops a job) after a checkpoint, then the same command with
     `--resume_from_checkpoint latest` on both: the losses after the checkpoint and the final weights are those of
@@ -220,7 +217,6 @@ def test_kill_and_resume_on_a_shared_output_dir_continues_exactly(backend, two_n
 
 
 @pytest.mark.slow
-@pytest.mark.multiprocess
 def test_separate_output_dirs_are_refused_before_any_model_loads(tmp_path):
     """No shared filesystem: each node's output_dir is its own. Checkpoints are written by global rank 0, so the
     other node could never resume; both nodes stop with the fix before the built-in model is even prepared."""
@@ -234,7 +230,6 @@ def test_separate_output_dirs_are_refused_before_any_model_loads(tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.multiprocess
 def test_a_node_that_never_joins_ends_the_wait_with_a_clear_error(tmp_path):
     """Only machine_rank 0 is started: torchrun's rendezvous waits `--rdzv_conf timeout=N` seconds (600 by
     default), then the command fails and says what to check."""
@@ -374,7 +369,6 @@ def _save_on_rank(rank: int, init_file: str, out: str) -> None:
         dist.destroy_process_group()
 
 
-@pytest.mark.multiprocess
 def test_transformers_writes_weights_on_global_rank_0_only(tmp_path):
     """Why `save_on_each_node` is refused on several machines: in a process group, transformers 5's
     `save_pretrained` writes config and weights only on global rank 0, even when the caller says the process should

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 from conftest import cpu_env
 
-pytestmark = [pytest.mark.slow, pytest.mark.multiprocess]
+pytestmark = pytest.mark.slow
 SCRIPT = Path(__file__).parent / "scripts" / "ddp_parity.py"
 RUN_SCRIPT = Path(__file__).parent / "scripts" / "multiprocess_run.py"
 ACCELERATE_CONFIGS = Path(__file__).parents[1] / "recipes" / "accelerate"

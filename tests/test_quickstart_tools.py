@@ -316,7 +316,6 @@ def test_the_tools_recipe_runs_through_trl_gspo(tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.multiprocess
 def test_the_tools_recipe_runs_under_deepspeed_in_one_command(tmp_path):
     """`trl-gspo --config recipes/quickstart_tools.yaml` under ZeRO-3 on two processes, one command: the cold start
     runs once, in one plain process before the launch (its mark records one process), the DeepSpeed processes start

@@ -76,7 +76,7 @@ def assert_divergent_and_own(result):
 
 
 # ---------------------------------------------------------------- HF generate: DDP, ZeRO-2, ZeRO-3
-hf = [pytest.mark.slow, pytest.mark.multiprocess]
+hf = [pytest.mark.slow]
 
 
 @pytest.fixture(scope="module")
@@ -111,7 +111,6 @@ def test_hf_generate_tool_turns_on_two_processes(layout, loss_type, replay, tool
 
 
 @pytest.mark.slow
-@pytest.mark.multiprocess
 def test_stock_trl_tool_turns_under_zero3_break_on_a_collective_mismatch(tool_model_dir, tmp_path):
     """Stock TRL 1.16 `GRPOTrainer`, HF generate under ZeRO-3, the same rank-divergent turns: rank 1 leaves the tool
     loop while rank 0 gathers parameters for its next turn, so their collectives pair up wrongly. Measured: gloo
@@ -121,7 +120,6 @@ def test_stock_trl_tool_turns_under_zero3_break_on_a_collective_mismatch(tool_mo
 
 
 @pytest.mark.slow
-@pytest.mark.multiprocess
 def test_stock_trl_tool_turns_under_ddp_run_as_ours(tool_model_dir, tmp_path):
     """Under DDP, generation is local to each rank: TRL's own loop is right there, and GSPOTrainer leaves it alone."""
     assert_divergent_and_own(run_tool_turns(tmp_path, "ddp", tool_model_dir, trainer="stock", max_steps=4))
