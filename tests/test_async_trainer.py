@@ -23,7 +23,7 @@ from trl.experimental.async_grpo.async_rollout_worker import RolloutSample  # no
 from trl.experimental.async_grpo.packing import TreeRow  # noqa: E402
 from transformers import AutoModelForCausalLM  # noqa: E402
 
-from trl_gspo import AsyncGSPOConfig, AsyncGSPOTrainer, GSPOTrainer  # noqa: E402
+from trl_gspo import AsyncGSPOConfig, AsyncGSPOTrainer, GSPOConfig, GSPOTrainer  # noqa: E402
 from trl_gspo.async_trainer import _VersionedRolloutCollator  # noqa: E402
 
 EPS_LOW, EPS_HIGH = 3e-4, 4e-4
@@ -279,14 +279,21 @@ def test_config_presets_and_refusals(tmp_path):
     trl = AsyncGSPOConfig(output_dir=str(tmp_path), use_cpu=True, loss_type="grpo")
     assert (trl.epsilon, trl.epsilon_high, trl.presets) == (0.2, None, {})
     refusals = [(dict(loss_type="dapo"), "loss_type"), (dict(loss_type="grpo", delta=1.5), "delta"),
-                (dict(delta=1.0001), "delta"), (dict(epsilon="3e-4"), "epsilon"), (dict(epsilon=1.5), "epsilon"),
+                (dict(delta=1.0001), "delta"), (dict(epsilon=1.5), "epsilon"), (dict(epsilon_high=-1.0), "epsilon_high"),
                 (dict(max_staleness=-1), "max_staleness"), (dict(staleness_correction="clip"), "staleness_correction"),
                 (dict(loss_type="grpo", staleness_correction="truncate"), "staleness_correction"),
-                (dict(staleness_weight_cap=1.0), "staleness_weight_cap"),
-                (dict(staleness_weight_cap="2"), "staleness_weight_cap")]
+                (dict(staleness_weight_cap=1.0), "staleness_weight_cap")]
     for options, option in refusals:
         with pytest.raises(ValueError, match=f"`{option}`.*Fix"):
             AsyncGSPOConfig(output_dir=str(tmp_path), use_cpu=True, **options)
+    # a wrong type is a TypeError naming the field, as in GSPOConfig (trl_gspo/config.py `_check_types`)
+    for options, option in [(dict(epsilon="3e-4"), "epsilon"), (dict(staleness_weight_cap="2"), "staleness_weight_cap"),
+                            (dict(delta=True), "delta")]:
+        with pytest.raises(TypeError, match=f"`{option}` must be .*Fix"):
+            AsyncGSPOConfig(output_dir=str(tmp_path), use_cpu=True, **options)
+        if option != "staleness_weight_cap":  # the synchronous config has no such field
+            with pytest.raises(TypeError, match=f"`{option}` must be .*Fix"):
+                GSPOConfig(output_dir=str(tmp_path), use_cpu=True, **options)
 
 
 ASYNC_RECIPE = """trainer: async

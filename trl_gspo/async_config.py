@@ -4,12 +4,11 @@ that reading a recipe loads no training code."""
 
 from __future__ import annotations
 
-import numbers
 from dataclasses import dataclass, field
 
 from trl.experimental.async_grpo import AsyncGRPOConfig
 
-from .config import GSPO_LOSS_TYPES
+from .config import GSPO_LOSS_TYPES, _check_types, check_clip_band, fill_presets
 
 # "grpo": TRL's asynchronous loss as it ships (token-level clipped ratio, mean over the micro-batch's tokens).
 ASYNC_LOSS_TYPES = (*GSPO_LOSS_TYPES, "grpo")
@@ -94,27 +93,15 @@ class AsyncGSPOConfig(AsyncGRPOConfig):
         if self.staleness_correction not in STALENESS_CORRECTIONS:
             raise ValueError(f"`staleness_correction`: {self.staleness_correction!r} is not one AsyncGSPOTrainer runs. "
                              f"Fix: one of {', '.join(repr(c) for c in STALENESS_CORRECTIONS)}.")
-        for name in ("epsilon", "epsilon_high", "delta", "staleness_weight_cap"):
-            value = getattr(self, name)
-            if value is not None and (not isinstance(value, numbers.Real) or isinstance(value, bool)):
-                raise ValueError(f"`{name}` must be a number, got {value!r}. Fix: e.g. `{name}=3e-4`.")
+        _check_types(self)  # wrong types: TypeError naming the field, as GSPOConfig
         is_gspo = self.loss_type in GSPO_LOSS_TYPES
-        unset = [name for name in ("epsilon", "epsilon_high") if getattr(self, name) is None]
-        if self.epsilon is None:
-            self.epsilon = ASYNC_EPSILON_LOW if is_gspo else 0.2
-        if self.epsilon_high is None and is_gspo:
-            self.epsilon_high = ASYNC_EPSILON_HIGH
-        self.presets = {name: getattr(self, name) for name in unset} if is_gspo else {}
-        high = self.epsilon_high if self.epsilon_high is not None else self.epsilon
-        if not 0 < self.epsilon < 1 or high <= 0:
-            raise ValueError(f"`epsilon` / `epsilon_high`: the clip band [1 - {self.epsilon}, 1 + {high}] is empty or "
-                             "reaches 0. Fix: 0 < epsilon < 1 and epsilon_high > 0 (GSPO paper: 3e-4 / 4e-4).")
-        if self.delta is not None:
-            if not is_gspo:
-                raise ValueError("`delta`: TRL's asynchronous 'grpo' loss has no two-sided clip. Fix: leave delta "
-                                 "unset, or use loss_type='gspo'.")
-            if self.delta <= 1 + high:
-                raise ValueError(f"`delta` ({self.delta}) must exceed 1 + epsilon_high ({1 + high}). Fix: e.g. 1.5.")
+        filled = fill_presets(self, {"epsilon": ASYNC_EPSILON_LOW if is_gspo else 0.2,
+                                     "epsilon_high": ASYNC_EPSILON_HIGH if is_gspo else None})
+        self.presets = filled if is_gspo else {}
+        if self.delta is not None and not is_gspo:
+            raise ValueError("`delta`: TRL's asynchronous 'grpo' loss has no two-sided clip. Fix: leave delta "
+                             "unset, or use loss_type='gspo'.")
+        check_clip_band(self)
         if self.staleness_correction != "none" and not is_gspo:
             raise ValueError("`staleness_correction`: TRL's asynchronous 'grpo' loss has no decoupled form here. Fix: "
                              "leave staleness_correction='none', or use loss_type='gspo'.")

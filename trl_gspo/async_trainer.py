@@ -45,7 +45,7 @@ from trl.trainer.utils import pad
 from . import metrics as gspo_metrics
 from .async_config import AsyncGSPOConfig
 from .async_routing import RoutedRolloutLoop, packed_routes
-from .config import GSPO_LOSS_TYPES
+from .config import GSPO_LOSS_TYPES, default_output_dir
 from .lora_merge import exact_sync_stream, merge_calls_skipped
 from .losses import gspo_packed_loss, nonfinite_counts, raise_if_nonfinite, unpack_segments
 from .routing.replay import RoutingReplay
@@ -136,7 +136,7 @@ class AsyncGSPOTrainer(AsyncGRPOTrainer):
 
     def __init__(self, model, reward_funcs=None, args: AsyncGSPOConfig | None = None, *pargs, **kwargs):
         if args is None:
-            args = AsyncGSPOConfig(f"{str(model).split('/')[-1]}-AsyncGSPO")
+            args = AsyncGSPOConfig(default_output_dir(model, "AsyncGSPO"))
         elif not isinstance(args, AsyncGSPOConfig):
             raise TypeError(f"`args` must be an AsyncGSPOConfig (got {type(args).__name__}). Fix: build it with "
                             "trl_gspo.AsyncGSPOConfig(...), which takes every AsyncGRPOConfig field.")

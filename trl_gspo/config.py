@@ -227,22 +227,15 @@ class GSPOConfig(GRPOConfig):
     def __post_init__(self):
         _check_types(self)
         is_gspo = self.loss_type in GSPO_LOSS_TYPES
-        unset = {name for name in ("epsilon", "epsilon_high", "beta", "importance_sampling_level",
-                                   "steps_per_generation") if getattr(self, name) is None}
-        if self.epsilon is None:
-            self.epsilon = PAPER_EPSILON_LOW if is_gspo else 0.2
-        if self.epsilon_high is None and is_gspo:
-            self.epsilon_high = PAPER_EPSILON_HIGH
-        if self.beta is None:
-            self.beta = PAPER_BETA
-        if self.importance_sampling_level is None:
-            self.importance_sampling_level = "sequence" if is_gspo else "token"
-        if is_gspo and self.steps_per_generation is None and self.generation_batch_size is None:
-            self.steps_per_generation = PAPER_MINI_BATCHES_PER_ROLLOUT * self.gradient_accumulation_steps
+        mini_batches = (PAPER_MINI_BATCHES_PER_ROLLOUT * self.gradient_accumulation_steps
+                        if is_gspo and self.generation_batch_size is None else None)
+        filled = fill_presets(self, {
+            "epsilon": PAPER_EPSILON_LOW if is_gspo else 0.2, "epsilon_high": PAPER_EPSILON_HIGH if is_gspo else None,
+            "beta": PAPER_BETA, "importance_sampling_level": "sequence" if is_gspo else "token",
+            "steps_per_generation": mini_batches})
         # The paper's values this config filled in (not a dataclass field: not in `to_dict()`); GSPOTrainer names them
         # at startup beside the sizes they resolve to (`setup_summary`).
-        self.paper_presets = {name: getattr(self, name) for name in sorted(unset)
-                              if getattr(self, name) is not None} if is_gspo else {}
+        self.paper_presets = filled if is_gspo else {}
         validate_gspo_args(self)
         super().__post_init__()
 
@@ -257,7 +250,9 @@ _FIELD_TYPES = {"loss_type": (str, "a string", "'gspo'"), "importance_sampling_l
                 "vllm_server_stall_timeout": (numbers.Real, "a number of seconds", "600"), "old_logps": (str, "a string", "'sampler'"),
                 "epsilon": (numbers.Real, "a number", "3e-4"), "epsilon_high": (numbers.Real, "a number", "4e-4"),
                 "beta": (numbers.Real, "a number", "0.0"), "delta": (numbers.Real, "a number", "1.5"),
-                "steps_per_generation": (numbers.Integral, "an integer", "4")}
+                "steps_per_generation": (numbers.Integral, "an integer", "4"),
+                "staleness_weight_cap": (numbers.Real, "a number", "2.0"),
+                "max_staleness": (numbers.Integral, "an integer", "4")}
 
 
 # Sizes below these train nothing or fail deep inside TRL (`num_generations=0`: ZeroDivisionError in its config).
@@ -279,6 +274,44 @@ def _check_types(args) -> None:
 
 def _error(option: str, problem: str, fix: str) -> ValueError:
     return ValueError(f"`{option}`: {problem} Fix: {fix}")
+
+
+def fill_presets(args, presets: dict) -> dict:
+    """Set each field of `presets` that `args` left unset (None) to its preset (a preset of None leaves the field
+    unset); returns the fields filled, sorted by name, with their values. Shared by `GSPOConfig` (the paper's values)
+    and `AsyncGSPOConfig` (the band measured for asynchronous training)."""
+    filled = {name: value for name, value in sorted(presets.items())
+              if getattr(args, name) is None and value is not None}
+    for name, value in filled.items():
+        setattr(args, name, value)
+    return filled
+
+
+def check_clip_band(args) -> None:
+    """The clip band `[1 - epsilon, 1 + epsilon_high]` (`epsilon_high` None: `epsilon`) must be non-empty and stay
+    above 0, and a two-sided cap `delta` must lie above it. `ValueError` naming the option; wrong types were refused
+    before, by `_check_types` (`TypeError`). Shared by `GSPOConfig` and `AsyncGSPOConfig`."""
+    epsilon_high = args.epsilon if args.epsilon_high is None else args.epsilon_high
+    if args.epsilon is None or not 0 < args.epsilon < 1:
+        raise _error("epsilon", f"must be in (0, 1) for loss_type={args.loss_type!r}, got {args.epsilon}.",
+                     "leave it unset for the preset (GSPO paper: 3e-4), or pass a value in (0, 1).")
+    if not epsilon_high > 0:
+        raise _error("epsilon_high", f"must be > 0, got {epsilon_high}.",
+                     "use the GSPO paper's 4e-4, or leave it unset.")
+    delta = getattr(args, "delta", None)
+    if delta is not None and not delta > 1.0 + epsilon_high:
+        raise _error(
+            "delta",
+            f"two-sided clipping caps the sequence ratio at delta, which must lie above the clip band "
+            f"(> 1 + epsilon_high = {1.0 + epsilon_high}), got {delta}.",
+            f"set delta > {1.0 + epsilon_high} (e.g. {round(1.0 + 4 * epsilon_high, 6)}), or unset it.",
+        )
+
+
+def default_output_dir(model, suffix: str) -> str:
+    """TRL's default `output_dir` naming: the model's last path component (or `model`), a dash, the trainer's name."""
+    name = model if isinstance(model, str) else getattr(getattr(model, "config", None), "_name_or_path", "model")
+    return f"{str(name).rstrip('/').split('/')[-1] or 'model'}-{suffix}"
 
 
 def validate_gspo_args(args: GRPOConfig) -> None:
@@ -321,12 +354,7 @@ def validate_gspo_args(args: GRPOConfig) -> None:
     if args.loss_type not in GSPO_LOSS_TYPES:
         return
 
-    epsilon_high = args.epsilon if args.epsilon_high is None else args.epsilon_high
-    if args.epsilon is None or not args.epsilon > 0 or not args.epsilon < 1:
-        raise _error("epsilon", f"must be in (0, 1) for loss_type={args.loss_type!r}, got {args.epsilon}.",
-                     "use the GSPO paper's 3e-4 (leave it unset in GSPOConfig).")
-    if not epsilon_high > 0:
-        raise _error("epsilon_high", f"must be > 0, got {epsilon_high}.", "use the GSPO paper's 4e-4.")
+    check_clip_band(args)
     if args.beta is None or args.beta < 0:
         raise _error("beta", f"must be >= 0, got {args.beta}.", "use 0.0 (GSPO paper) or a small positive KL weight.")
     if isinstance(args, GSPOConfig) and args.importance_sampling_level == "token":
@@ -335,13 +363,6 @@ def validate_gspo_args(args: GRPOConfig) -> None:
             f"loss_type={args.loss_type!r} always uses one importance ratio per sequence (Eq. 7); 'token' "
             "contradicts it.",
             "remove the option (it resolves to 'sequence'), or use loss_type='grpo' for token-level ratios.",
-        )
-    if args.delta is not None and not args.delta > 1.0 + epsilon_high:
-        raise _error(
-            "delta",
-            f"two-sided clipping caps the sequence ratio at delta, which must lie above the clip band "
-            f"(> 1 + epsilon_high = {1.0 + epsilon_high}), got {args.delta}.",
-            f"set delta > {1.0 + epsilon_high} (e.g. {round(1.0 + 4 * epsilon_high, 6)}), or unset it.",
         )
 
 

@@ -13,8 +13,8 @@ from trl import GRPOTrainer
 
 from . import metrics as gspo_metrics
 from .config import (DEFAULT_MIN_ROUTE_AGREEMENT, DEFAULT_SERVER_STALL_TIMEOUT, GSPO_LOSS_TYPES, PAPER_EPSILON_HIGH,
-                     PAPER_EPSILON_LOW, GSPOConfig, refuse_unused_token_advantages, runs_old_policy_pass,
-                     setup_summary, validate_gspo_args, warn_about_setup)
+                     PAPER_EPSILON_LOW, GSPOConfig, default_output_dir, refuse_unused_token_advantages,
+                     runs_old_policy_pass, setup_summary, validate_gspo_args, warn_about_setup)
 from .losses import (
     adaptive_entropy_coef,
     applied_entropy_coef,
@@ -65,8 +65,7 @@ class GSPOTrainer(CheckpointMixin, ToolTurnsMixin, GRPOTrainer):
 
     def __init__(self, model, reward_funcs=None, args=None, *positional, **kwargs):
         if args is None:
-            name = model if isinstance(model, str) else getattr(model.config, "_name_or_path", "model")
-            args = GSPOConfig(output_dir=f"{str(name).rstrip('/').split('/')[-1] or 'model'}-GSPO")
+            args = GSPOConfig(output_dir=default_output_dir(model, "GSPO"))
         # Validate before TRL loads models or datasets: a bad option should cost nothing.
         validate_gspo_args(args)
         refuse_unused_token_advantages(type(self).token_advantages is not GSPOTrainer.token_advantages,
