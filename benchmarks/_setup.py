@@ -57,7 +57,7 @@ def size_kernel(size: str) -> str:
 
 def header(name: str, device, dtype, kernel: str) -> str:
     """One line naming what a benchmark measured on: device, dtype, experts kernel, versions and commit. Printed
-    first by every benchmark, so a figure copied from its output carries its conditions."""
+    first by every benchmark, so a figure copied from its output keeps its conditions."""
     import importlib.metadata
     import platform
     import subprocess

@@ -1,4 +1,4 @@
-"""R3's routes in the asynchronous rollout loop at the flagship's size: what one `/v1/completions` answer carries, and
+"""R3's routes in the asynchronous rollout loop at the flagship's size: what one `/v1/completions` answer holds, and
 what reading it costs the rollout worker, with the routes as vLLM's base64 inside the JSON against the route frame of
 `trl-gspo vllm-serve` (trl_gspo/sampling/route_wire.py), side by side in one run.
 

@@ -1,7 +1,7 @@
 """Peak memory of one training step (loss forward + backward on one micro-batch) with gspo vs TRL's sequence-level
 and token-level GRPO: same model and rollout batch; with `--replay`, also GSPOTrainer's token-level GRPO with plain
 routing, R2 (replaying the old-policy pass's routes) and R3 (replaying the sampler's routes), each on the rollout
-batch of its own generation round (same seed, same shapes; the replay arms' batch carries the routes).
+batch of its own generation round (same seed, same shapes; the replay arms' batch holds the routes).
 
 On CUDA: `max_memory_allocated` above the memory held before the step, every arm in one process (the peak counter
 is reset before each step and the allocator's cache does not count; an unmeasured warm-up step first, so lazily
@@ -89,7 +89,7 @@ def _trainer(cli, arm, model, tokenizer, tmp):
 
 def _make_inputs(cli, model, tokenizer, arm):
     """One training micro-batch of a generation round of `arm`'s trainer (the loss arms share the one of TRL's
-    sequence-level GRPO; each replay arm uses its own, which carries the routes it replays)."""
+    sequence-level GRPO; each replay arm uses its own, which holds the routes it replays)."""
     with tempfile.TemporaryDirectory() as tmp:
         trainer = _trainer(cli, arm, model, tokenizer, tmp)
         data = _setup.dataset()

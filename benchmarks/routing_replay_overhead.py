@@ -155,7 +155,7 @@ def main():
 
 
 def profile(step, steps: int, device: str) -> None:
-    """The operators each arm spends its time in (device time on a GPU, host time on a CPU), top 20."""
+    """The operators each arm spends its time in (GPU kernel time on a GPU, host time on a CPU), top 20."""
     from torch.profiler import ProfilerActivity
     from torch.profiler import profile as torch_profile
 

@@ -377,7 +377,7 @@ class VllmSampler:
 
 
 def sync_engines(engines, trainer, expected_layers: int | None = None) -> None:
-    """Every live engine takes the trainer's weights, then the CPU MoE experts are re-packed (once: the test helper
+    """Every live engine takes the trainer's weights, then the CPU MoE experts are re-packed (once: the test utility
     re-packs the experts of every live engine, so each must have been loaded just before) and prefix caches reset."""
     import vllm_cpu_engine
 

@@ -11,7 +11,7 @@ rank the routes of the completions TRL keeps for it, and each rank checks them (
 
 A synthetic answer shaped like vLLM's is built once per form (real `/v1/completions` layout: `prompt_token_ids`,
 `token_ids`, `logprobs` as TRL asks for them, routes), and each measured round runs in fresh processes (1 or 2, gloo
-on CPU) through TRL's own client (`VLLMClient.generate` on a session that returns the answer) and TRL's broadcast
+on CPU) through TRL's own client (`VLLMClient.generate` on a stand-in that returns the answer) and TRL's broadcast
 and slice of the payload, with trl-gspo's `capture_routes` around it exactly as `GSPOTrainer` calls it. Printed per
 size and process count: wall time of the round and each rank's peak RSS (the whole process: imports, the answer
 as the main process reads it from a stream, as from a socket, the round) without routes (TRL's own cost) and with
@@ -181,7 +181,7 @@ def one_round(rank: int, world: int, port: int, answer: str, size: str, form: st
     routes = form != "plain"
     client = None
     if state.is_main_process:
-        client = VLLMClient.__new__(VLLMClient)  # no server: the session below answers
+        client = VLLMClient.__new__(VLLMClient)  # no server: the stand-in below answers
         client.base_url, client.model = "http://127.0.0.1:8000", "m"
 
         class Session:

@@ -96,13 +96,13 @@ def device() -> str:
 @pytest.fixture
 def record_figure(request):
     """`record_figure(check, figure)`: a line of the summary a `pytest -m gpu` run prints at its end. Kept in the
-    test's report (user_properties), which pytest-xdist carries back from its workers: a module-level list filled in
+    test's report (user_properties), which pytest-xdist sends back from its workers: a module-level list filled in
     a worker never reached the summary of a `pytest -m gpu -n 3` run."""
     return lambda check, figure: request.node.user_properties.append(("gpu_figure", (check, figure)))
 
 
 def pytest_runtest_logreport(report):
-    if report.when == "teardown":  # each phase's report carries the test's properties; read them once
+    if report.when == "teardown":  # each phase's report holds the test's properties; read them once
         GPU_FIGURES.extend(tuple(value) for name, value in report.user_properties if name == "gpu_figure")
 
 
@@ -166,7 +166,7 @@ def tiny_config(output_dir, config_cls=None, **overrides):
 @pytest.fixture(scope="session")
 def tool_model_dir(tmp_path_factory):
     """A directory with the tiny tool-calling Qwen3-MoE (`trl_gspo.quickstart.tools.build_tool_model`: character
-    tokenizer with chat and response templates, SFT cold start to call `add`), built once per session. Load it with
+    tokenizer with chat and response templates, SFT cold start to call `add`), built once per test run. Load it with
     `AutoModelForCausalLM` / `AutoTokenizer.from_pretrained` (or vLLM); every test gets fresh weights that way."""
     from filelock import FileLock
 

@@ -121,7 +121,7 @@ def test_the_rollout_loop_keeps_the_same_routes_from_a_frame_and_from_json():
                           stitch_turn_routes(sequence, kept_by_form["json"]))
 
 
-@pytest.mark.parametrize("form,message", [("missing array", "names routes #1 for a choice but carries 1"),
+@pytest.mark.parametrize("form,message", [("missing array", "names routes #1 for a choice but holds 1"),
                                           ("cut routes", "routes are missing")])
 def test_a_frame_without_the_routes_it_names_is_refused(form, message):
     with pytest.raises(ValueError, match=message):

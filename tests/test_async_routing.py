@@ -54,7 +54,7 @@ def test_stitching_takes_each_position_from_the_first_turn_that_computed_it():
 
 def test_packed_routes_follow_trls_packed_order():
     """Checked against TRL's own layout: with every token trained, TRL's `token_index` names, for sample i's target
-    p, the packed position of its token p - 1; that position must carry sample i's route p - 1, or, where the
+    p, the packed position of its token p - 1; that position must hold sample i's route p - 1, or, where the
     position is shared, the route of the first sample through it."""
     samples = _samples_with_routes()
     for sample in samples:
@@ -101,7 +101,7 @@ def test_replayed_packed_step_matches_a_float64_reference_per_sample(tiny_moe_di
     samples = _samples(tiny_moe_dir)
     for sample, routed in zip(samples, _samples_with_routes()):
         sample["routes"] = routed["routes"]
-    # Shared positions must carry one route: give every sample the first owner's route for a shared prefix.
+    # Shared positions must hold one route: give every sample the first owner's route for a shared prefix.
     row = TreeRow()
     for sample in samples:
         row.add(sample)

@@ -35,7 +35,7 @@ pytestmark = [pytest.mark.vllm, pytest.mark.slow,
 SCRIPT = Path(__file__).parent / "scripts" / "async_run.py"
 sys.path.insert(0, str(SCRIPT.parent))
 # The server's log-probs against the trainer's weights (a float32 transformers copy) after a transfer: up to 2e-6
-# measured with a float32 server (float32 rounding); 1e-4 leaves room and is far below any weight change that counts.
+# measured with a float32 server (float32 rounding); 1e-4 has a margin and is far below any weight change that counts.
 SAME_WEIGHTS = 1e-4
 # Learning rate 0.05 moves the probe sequences' mean token log-prob from the initial model's by 0.35-0.55 nats after
 # one step, 0.7-2.1 after two or three (measured); a transfer that did not arrive leaves the server where it was.

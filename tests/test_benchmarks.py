@@ -130,7 +130,7 @@ def test_sampler_mismatch_with_real_vllm_replays_its_routes_exactly(tmp_path):
 
 
 def test_every_benchmark_prints_its_conditions_first():
-    """A figure copied from a benchmark's output carries its device, dtype, experts kernel, versions and commit."""
+    """A figure copied from a benchmark's output keeps its device, dtype, experts kernel, versions and commit."""
     for script in sorted(BENCHMARKS.glob("*.py")) + [BENCHMARKS / "reproduce" / "run.py"]:
         if script.name.startswith("_"):
             continue

@@ -99,7 +99,7 @@ def test_has_accelerator_answers_for_the_probed_device(monkeypatch, available, k
 
 def test_every_python_subprocess_of_the_suite_is_pinned_to_cpu():
     """A subprocess that inherits this environment sees the machine's GPU; on an H100 that moved the multi-process,
-    kill and CLI tests onto CUDA (issue 19). Every `subprocess.run` / `Popen` in the CPU tests passes
+    kill and CLI tests onto CUDA. Every `subprocess.run` / `Popen` in the CPU tests passes
     `env=cpu_env(...)` (directly or through a variable assigned from it); the GPU suite (test_gpu.py) is exempt."""
     import ast
     from pathlib import Path

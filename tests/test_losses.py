@@ -147,7 +147,7 @@ def _ref_k3(logps, ref_logps):
 
 
 # --------------------------------------------------------------------------------------------------------------
-# Helpers
+# Shared functions
 # --------------------------------------------------------------------------------------------------------------
 
 
@@ -217,7 +217,7 @@ def _ref_token_losses(logps, old_logps, advantages, mask, eps_low=EPS_LOW, eps_h
 
 def _check_per_token_loss(fn, out, logps, old, adv, mask, losses, **kw):
     """per_token_loss: (B, T), 0 at padding, its masked token mean is per_sequence_loss; for GSPO every valid
-    token carries the sequence loss, for GSPO-token the token's own clipped term."""
+    token holds the sequence loss, for GSPO-token the token's own clipped term."""
     ptl = out.per_token_loss
     B, T = logps.shape
     assert ptl.shape == (B, T)

@@ -76,7 +76,7 @@ def test_gspo_on_packed_rows_matches_the_float64_reference(seed):
     assert torch.allclose(grad, expected_grad, rtol=0, atol=1e-12)
     ratios = losses[0].ratio
     assert ((ratios < 1 - EPS_LOW) | (ratios > 1 + EPS_HIGH)).any() and (ratios.sub(1).abs() < EPS_LOW).any()
-    assert (grad != 0).any() and (grad == 0).any()  # clipped completions carry no gradient
+    assert (grad != 0).any() and (grad == 0).any()  # clipped completions get no gradient
 
 
 @pytest.mark.parametrize("seed", [0, 1])

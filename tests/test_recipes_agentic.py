@@ -37,7 +37,7 @@ def from_root(monkeypatch):
 
 @pytest.fixture
 def qwen3_tokenizer():
-    """A tokenizer carrying TRL 1.16's stored Qwen3 chat template (what `add_response_schema` matches exactly); the
+    """A tokenizer with TRL 1.16's stored Qwen3 chat template (what `add_response_schema` matches exactly); the
     character vocabulary does not matter to rendering and parsing text."""
     from trl.chat_template_utils import qwen3_chat_template
 

@@ -31,8 +31,8 @@ def _rounds(trainer):
 
 @pytest.mark.parametrize("loss_type", ["gspo", "gspo_token", "grpo"])
 def test_r3_trains_and_logs_the_sampler_comparison(loss_type, tmp_path, tokenizer):
-    """On CPU in float32, HF generate with a KV cache and one full forward route every token alike (measured,
-    ../shared DESIGN.md section 5), so the sampler agrees with the trainer's old-policy pass on every route and the
+    """On CPU in float32, HF generate with a KV cache and one full forward route every token alike (measured),
+    so the sampler agrees with the trainer's old-policy pass on every route and the
     mismatch metrics sit at their no-mismatch values; after updates, replay forces the sampler's routes."""
     trainer = _trainer(tokenizer, tmp_path, loss_type=loss_type)
     trainer.train()

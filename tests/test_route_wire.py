@@ -1,4 +1,4 @@
-"""R3's routes as raw bytes from `trl-gspo vllm-serve` (trl_gspo/sampling/route_wire.py): the frame carries every
+"""R3's routes as raw bytes from `trl-gspo vllm-serve` (trl_gspo/sampling/route_wire.py): the frame holds every
 array exactly, rows shared with the array before are sent once, and the server middleware frames only the answers of
 requests that ask, leaving every other answer (stock TRL's client) as vLLM wrote it."""
 

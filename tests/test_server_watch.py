@@ -138,7 +138,7 @@ class _Session:
 def test_a_hung_server_stops_training_with_the_error_that_names_it(tmp_path, monkeypatch):
     """Through `server_failures`, as GSPOTrainer calls TRL's generate: one `SamplerServerError` naming the server,
     that it made no progress, the option, the newest complete checkpoint and the resume. Other endpoints (weight
-    sync) are not watched; the session's own `post` is back afterwards."""
+    sync) are not watched; the client's own `session.post` is back afterwards."""
     monkeypatch.setattr(server_watch, "watch_generation", _fast(server_watch.watch_generation))
     (tmp_path / "checkpoint-4").mkdir()
     monkeypatch.setattr("trl_gspo.checkpoints.latest_complete_checkpoint",

@@ -79,7 +79,7 @@ def test_r2_keeps_the_recording_of_the_pass_that_made_old_logps(tokenizer):
     assert other[0] is not old[0] and tuple(output["routing_indices"].shape[:2]) == (2, 6)
     with pytest.raises(RuntimeError, match="recording covers"):
         glue.replay_for(output, torch.ones(2, 5))
-    with pytest.raises(RuntimeError, match="carries no routing"):
+    with pytest.raises(RuntimeError, match="holds no routing"):
         glue.replay_for({}, mask)
     with torch.no_grad(), glue.replay_for(output, mask):
         model(input_ids=ids, attention_mask=mask)

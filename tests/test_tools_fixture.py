@@ -1,6 +1,6 @@
 """The tiny tool-calling model (`trl_gspo.quickstart.tools`) inside TRL's own tool loop, with HF generate on CPU.
 
-The cold-started model comes from the session fixture `tool_model_dir` (tests/conftest.py).
+The cold-started model comes from the fixture `tool_model_dir`, built once per test run (tests/conftest.py).
 """
 
 import os
@@ -103,7 +103,7 @@ class KeepRounds(GSPOTrainer):
 def train_with_tools(tmp_path, tool_model_dir, **trainer_kwargs):
     model, tokenizer = load(tool_model_dir)
     # 8 prompts x 4 generations in one round, 2 optimizer steps on it. A first turn (call + eos) is about 45 tokens,
-    # the tool suffix 5-20 and the answer 3: 96 leaves room for both turns and an error message.
+    # the tool suffix 5-20 and the answer 3: 96 leaves space for both turns and an error message.
     args = tiny_config(tmp_path, loss_type="gspo", per_device_train_batch_size=16, num_generations=4,
                        steps_per_generation=2, max_steps=2, max_completion_length=96, max_tool_calling_iterations=1)
     trainer = KeepRounds(model=model, reward_funcs=tool_answer_reward, args=args,
@@ -119,7 +119,7 @@ def test_tool_loop_with_tools(tmp_path, tool_model_dir):
     trainer, log, tool_mask = train_with_tools(tmp_path, tool_model_dir, tools=[add])
     assert log["tools/call_frequency"] > 0.5
     assert log["tools/failure_frequency"] <= 0.1  # `add` takes any ints: only a call missing an argument fails
-    assert (tool_mask == 0).any(dim=1).float().mean() > 0.5  # most completions carry a tool result
+    assert (tool_mask == 0).any(dim=1).float().mean() > 0.5  # most completions hold a tool result
     # The cold start copies operands and results often but not always: rewards vary within groups (GSPO learns).
     assert log["rewards/tool_answer_reward/mean"] > 0.1 and log["frac_reward_zero_std"] < 1.0
 

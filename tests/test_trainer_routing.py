@@ -121,7 +121,7 @@ class _TruncatesRecording(GSPOTrainer):
 
 def test_replay_refuses_a_micro_batch_without_recording(tmp_path, tokenizer):
     trainer = _replay_trainer(_DropsRecording, tokenizer, tmp_path)
-    with pytest.raises(RuntimeError, match="carries no routing recorded.*Fix:"):
+    with pytest.raises(RuntimeError, match="holds no routing recorded.*Fix:"):
         trainer.train()
 
 

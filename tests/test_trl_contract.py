@@ -220,7 +220,7 @@ def test_transformers_logger_warning_once():
 
 
 def test_trl_entry_points_used_by_the_launcher():
-    """Public-but-internal TRL/accelerate helpers the recipe launcher and reward resolution call."""
+    """Public-but-internal TRL/accelerate functions the recipe launcher and reward resolution call."""
     import trl.rewards
     from accelerate.commands.launch import launch_command_parser
     from trl import DatasetMixtureConfig, ModelConfig, TrlParser, get_dataset, get_peft_config

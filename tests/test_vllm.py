@@ -349,7 +349,7 @@ def vllm_server(tmp_path_factory):
 
 @pytest.mark.parametrize("processes", [1, 2])
 def test_server_mode_r3_replays_the_routes_the_server_returned(vllm_server, tmp_path, processes):
-    """Server mode: the server's answer carries each completion's routes; the main process reads them, every rank
+    """Server mode: the server's answer holds each completion's routes; the main process reads them, every rank
     keeps TRL's process slice. Every policy pass equals a model copy scored with the server's routes (decoded by
     hand from the raw answers), and natural routing differs. TRL's weight sync is NCCL-only, so it is stubbed and
     the learning rate is 0: the trainer's policy stays the model it loaded."""
@@ -483,10 +483,10 @@ def _prefix_cache_hits(url):
 
 
 def test_prompt_routes_from_the_prefix_cache_are_the_computed_ones_and_travel_once(small_block_server):
-    """What vLLM returns for prompt tokens its prefix cache serves (item 2 of issue 45, checked before relying on
+    """What vLLM returns for prompt tokens its prefix cache serves (checked before relying on
     it): a 100-token prompt (three full 32-token blocks) asked twice; the second request is served from the cache
     (vLLM's prefix-cache hit counter grows by its 96 cached tokens) and its prompt routes equal the first request's,
-    computed ones, row for row. In the route frame, the n = 3 completions of a prompt carry its rows once: every
+    computed ones, row for row. In the route frame, the n = 3 completions of a prompt hold its rows once: every
     choice after the first shares at least the prompt's rows with the one before."""
     url, _, _ = small_block_server
     prompt = [3 + (7 * i) % 40 for i in range(100)]  # ids within the tiny tokenizer's 50
@@ -619,7 +619,7 @@ def vllm_tool_server(tmp_path_factory, tool_model_dir):
 
 
 def test_server_mode_r3_across_tool_turns_replays_the_hand_stitched_routes(vllm_tool_server, tmp_path):
-    """Server mode, one training process: each tool turn is one /v1/completions call whose answer carries the
+    """Server mode, one training process: each tool turn is one /v1/completions call whose answer holds the
     routes; every policy pass equals a model copy scored with routes stitched by hand from the raw answers."""
     url, model_dir = vllm_tool_server
     _multi_turn_checks(_run(tmp_path, model_dir=model_dir, server=url, **TOOL_RUN))

@@ -307,7 +307,7 @@ def test_server_routes_follow_trls_process_slice(tokenizer, framed, monkeypatch)
         for got, want in zip(kept[process_index].prompt_routes + kept[process_index].completion_routes,
                              expected.prompt_routes[mine] + expected.completion_routes[mine]):
             assert torch.equal(got, want)
-    assert "post" not in vars(client.session)  # the session's own method is back
+    assert "post" not in vars(client.session)  # the client's own `session.post` is back
 
 
 def test_server_is_asked_for_routes_before_training(tokenizer):
@@ -375,7 +375,7 @@ def test_server_without_routes_names_the_command(tokenizer):
 
 
 def test_a_prompts_routes_are_kept_once_for_its_completions():
-    """vLLM's n samples of a prompt come from one prefill and carry the same prompt rows: kept once (one tensor), so
+    """vLLM's n samples of a prompt come from one prefill and hold the same prompt rows: kept once (one tensor), so
     a server answer of 512 completions does not hold each prompt's routes 8 times. Rows that differ stay separate."""
     def output(prompt_rows, completion_rows):
         routes = np.concatenate([prompt_rows, completion_rows]).astype(np.int32)  # vLLM's transit dtype
@@ -396,7 +396,7 @@ def test_a_prompts_routes_are_kept_once_for_its_completions():
 
 
 def test_a_server_of_another_moe_layout_is_refused(tokenizer):
-    """The probe's routes carry the served model's MoE layers x top_k: another model's are refused at construction."""
+    """The probe's routes hold the served model's MoE layers x top_k: another model's are refused at construction."""
     from trl_gspo.sampling.vllm import check_server_returns_routes, moe_layout
 
     llm, client = _server(tokenizer)

@@ -1,8 +1,8 @@
 """R3 (rollout routing replay) in TRL's asynchronous trainer: the experts each token used where the vLLM server sampled
-it, carried from the server through TRL's rollout worker into the packed rows, and forced in the training forward.
+it, sent from the server through TRL's rollout worker into the packed rows, and forced in the training forward.
 
 The server returns them when started by `trl-gspo vllm-serve` (vLLM's `--enable-return-routed-experts`): each
-`/v1/completions` choice then carries `routed_experts`, `[prompt + completion - 1, layers, top_k]`, one row per token
+`/v1/completions` choice then holds `routed_experts`, `[prompt + completion - 1, layers, top_k]`, one row per token
 that has a successor. TRL's rollout worker reads tokens and log-probs from that answer and drops the routes; here:
 
 1. `RoutedRolloutLoop` (TRL's rollout loop, in its child process) asks for the routes as raw bytes (the route frame

@@ -43,7 +43,7 @@ class PolicyLossOutput:
 
     Attributes:
         per_token_loss: ``(B, T)`` loss at each valid token, 0 elsewhere. For ``gspo`` every valid token of
-            sequence ``i`` carries the sequence's loss, so its token mean is the sequence loss; this common form
+            sequence ``i`` holds the sequence's loss, so its token mean is the sequence loss; this common form
             lets callers apply token weights (KL, entropy masks, rollout corrections) the same way for both.
         per_sequence_loss: ``(B,)`` loss of each completion, the token mean of ``per_token_loss``; the objective
             is ``per_sequence_loss.mean()`` (Eq. 5 and 13 are plain means over sequences). Completions with no
@@ -283,7 +283,7 @@ def gspo_token_loss(
 
     ``J(theta) = E[ (1/G) sum_i (1/|y_i|) sum_t min(s_i,t A_i,t, clip(s_i,t, 1 - eps_low, 1 + eps_high) A_i,t) ]``
 
-    ``s_i,t`` equals ``s_i`` in value, so the clip decision is per sequence, but each token carries its own
+    ``s_i,t`` equals ``s_i`` in value, so the clip decision is per sequence, but each token has its own
     advantage. With ``A_i,t = A_i`` for every token this equals :func:`gspo_loss` in value and gradient.
 
     ``delta`` caps the unclipped term as in :func:`gspo_loss`, per token: ``min(min(s_i,t, delta) A_i,t, ...)``,
@@ -314,7 +314,7 @@ def gspo_token_loss(
     token_logps = torch.where(valid, logps.to(dtype), zero)
     advantages = torch.where(valid, advantages.to(dtype).expand(-1, length), zero)
     # Eq. 14: s_i,t = sg[s_i] * pi(y_t) / sg[pi(y_t)]. The second factor is exactly 1 in value (exp(0)), so every
-    # token of a sequence carries the same ratio and the same clip decision, bit for bit.
+    # token of a sequence has the same ratio and the same clip decision, bit for bit.
     token_ratio = torch.exp(log_ratio).detach()[:, None] * torch.exp(token_logps - token_logps.detach())
     token_loss, low, high, capped = _clipped_surrogate(token_ratio, advantages, eps_low, eps_high, delta)
     token_loss = torch.where(valid, token_loss, zero)
@@ -374,7 +374,7 @@ def gspo_packed_loss(
     ``logps``, ``old_logps`` and ``advantages`` ``(M,)`` per packed target, ``segment_id`` ``(M,)`` the completion of
     each (:func:`unpack_segments`). ``s_i`` is the mean log ratio over completion ``i``'s targets only, ``|y_i|`` its
     target count (mask tool tokens out of the packed targets beforehand). For ``gspo`` every target of a completion
-    must carry the completion's advantage (TRL's asynchronous trainer repeats it per token); per-token advantages need
+    must hold the completion's advantage (TRL's asynchronous trainer repeats it per token); per-token advantages need
     ``token_level``; with ``check_inputs=False`` that is not checked (it costs a host read). With ``proximal_logps``
     ``(M,)``: :func:`decoupled_gspo_loss`, ``old_logps`` being the behaviour policy's. Returns the padded form, one row
     per completion; ``clip``: ``eps_low``, ``eps_high``, ``delta``, ``check_inputs`` as for the unpacked losses."""
@@ -452,7 +452,7 @@ def decoupled_gspo_loss(
     binds, and the gradient is ``(1/N) sum_i w~_i A_i grad (1/|y_i|) sum_t log pi_theta(y_i,t)``.
 
     Args as :func:`gspo_loss`; ``proximal_logps`` / ``behaviour_logps`` ``(B, T)`` constants. The returned
-    ``per_token_loss`` / ``per_sequence_loss`` carry the weight; ``log_ratio`` is ``log r_i`` (against ``pi_prox``),
+    ``per_token_loss`` / ``per_sequence_loss`` hold the weight; ``log_ratio`` is ``log r_i`` (against ``pi_prox``),
     and ``behaviour_log_weight``, ``behaviour_weight``, ``weight_capped`` are set."""
     _check_shapes(logps, behaviour_logps, mask)
     if check_inputs:  # the behaviour policy's log-probs stand where gspo_loss would check old_logps

@@ -118,7 +118,7 @@ class ToolTurnsMixin:
         if multimodal_fields:
             raise NotImplementedError(
                 "tools with image inputs on several processes: GSPOTrainer keeps TRL's tool turns in lockstep across "
-                "ranks for this layout and does not carry multimodal fields between them. Fix: train on one process, "
+                "ranks for this layout and does not pass multimodal fields between them. Fix: train on one process, "
                 "or with DDP / ZeRO-1/2 and HF generate, or vLLM colocate at tensor-parallel size 1.")
         if self._lockstep == "collective_generate":
             return self._hf_turn(prompt_ids, images, multimodal_fields, num_generations, has_tool_images)

@@ -39,7 +39,7 @@ from .trl_options import apply_trl_options
 
 logger = logging.get_logger(__name__)  # transformers' logger: adds `warning_once`
 
-# Arguments of `_get_per_token_logps_and_entropies` that are model inputs carried in the batch dict (images,
+# Arguments of `_get_per_token_logps_and_entropies` that are model inputs held in the batch dict (images,
 # token types, ...). Read from TRL's signature so new multimodal inputs are forwarded without code changes here.
 _NOT_BATCH_KEYS = {"self", "model", "input_ids", "attention_mask", "logits_to_keep", "batch_size",
                    "compute_entropy", "compute_aux_loss"}
@@ -213,7 +213,7 @@ class GSPOTrainer(CheckpointMixin, ToolTurnsMixin, GRPOTrainer):
         The default broadcasts TRL's per-sequence advantages `inputs["advantages"]` (shape `(B,)`) over each
         completion's tokens, which makes `gspo_token` identical to `gspo`. Override it for per-token credit
         assignment, e.g. multi-turn RL where each turn gets its own advantage; `inputs` is the batch dict TRL
-        built in `_generate_and_score_completions` (extend that method to carry extra per-sample tensors: they
+        built in `_generate_and_score_completions` (extend that method to add extra per-sample tensors: they
         are shuffled and split with the batch). Return a float tensor of `mask`'s shape.
         """
         advantages = inputs["advantages"]

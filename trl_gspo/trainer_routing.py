@@ -257,7 +257,7 @@ class TrainerRouting:
             if self.mode == "sampler" or (self.mode == "old" and self.old_pass_runs):
                 source = "sampling" if self.mode == "sampler" else "TRL's old-policy pass"
                 raise RuntimeError(
-                    f"routing_replay={self.mode!r}: this training micro-batch carries no routing recorded in {source}, "
+                    f"routing_replay={self.mode!r}: this training micro-batch holds no routing recorded in {source}, "
                     "so it would silently train on natural routing. Cause: its rollout batch was built without routing replay "
                     f"(e.g. resumed from a checkpoint saved with another routing_replay), or by code that bypasses "
                     "GSPOTrainer._generate_and_score_completions. Fix: resume from a checkpoint saved with "

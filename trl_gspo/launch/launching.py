@@ -35,7 +35,7 @@ def run_forwarding_signals(cmd: list[str], grace_seconds: float = GRACE_SECONDS,
     are sent SIGKILL. Every process of the tree has ended when this returns. `env`: the child's environment (this
     process's by default).
     """
-    child = subprocess.Popen(cmd, start_new_session=True, env=env)  # its own session, so its own process group
+    child = subprocess.Popen(cmd, start_new_session=True, env=env)  # its own process group, signalled as one
     received: list[int] = []
     known: dict[int, psutil.Process] = {}
 

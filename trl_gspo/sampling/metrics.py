@@ -1,4 +1,4 @@
-"""Sampler/trainer mismatch metrics (docs/sampling.md), as pure tensor functions plus one logging helper.
+"""Sampler/trainer mismatch metrics (docs/sampling.md), as pure tensor functions plus one logging function.
 
 Inputs, per completion token: the trainer's log-prob `logps` (TRL's old-policy pass: the weights that sampled),
 the sampler's `sampler_logps` (vLLM or HF generate; NaN where the sampler gave none) and the completion `mask`.
@@ -118,7 +118,7 @@ def sampling_metrics(accelerator, logps, sampler_logps, mask, eps_low, eps_high,
 
 def reduce_mismatch(accelerator, sums: dict, extremes: torch.Tensor) -> dict[str, float]:
     """`mismatch_sums`' per-rank sums and extremes (several micro-batches' may be added first) as metric values over
-    every rank: one sum-reduce, one gather of the extremes, one host read. Sums may carry R3's `route_differing` and
+    every rank: one sum-reduce, one gather of the extremes, one host read. Sums may hold R3's `route_differing` and
     `route_counted`, for `routing/sampler_agreement`."""
     reduced = accelerator.reduce(torch.stack(list(sums.values())), reduction="sum")
     extremes = accelerator.gather(extremes[None]).max(0).values

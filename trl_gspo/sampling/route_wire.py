@@ -107,7 +107,7 @@ class Frame:
         needed = max((entry["offset"] + _nbytes(entry, entry["shape"][0] - entry["shared"]) for entry in index),
                      default=0)
         if needed > len(routes):
-            raise ValueError(f"a route frame whose index names {needed} bytes of routes carries {len(routes)}: its "
+            raise ValueError(f"a route frame whose index names {needed} bytes of routes holds {len(routes)}: its "
                              "routes are missing (a frame cut short, or a server that encodes them differently)")
         return cls(index, routes, answer)
 

@@ -1,10 +1,10 @@
 """A vLLM server that hangs while a generation request is out: TRL 1.16's client waits for its answer without a
 timeout, so a frozen server (stopped, deadlocked, a GPU that stopped responding) stalls training forever.
 
-`watch_generation` runs the request in a helper thread and, while it is out, reads the server's progress from its
+`watch_generation` runs the request in a worker thread and, while it is out, reads the server's progress from its
 Prometheus `/metrics` (vLLM's counters of engine steps, prompt and generated tokens). A server whose counters move is
 working, however slowly; one whose counters stand still, or whose `/metrics` does not answer, for
-`stall_timeout` seconds is hung, and `ServerStalled` is raised in the caller's thread (the helper thread, blocked on
+`stall_timeout` seconds is hung, and `ServerStalled` is raised in the caller's thread (the worker thread, blocked on
 the dead connection, is a daemon and ends with the process). A server without `/metrics` (HTTP 404) cannot be
 watched: the request then runs unwatched, said once.
 """

@@ -1,7 +1,7 @@
 """Rollout routing replay (R3) from vLLM: the experts each token used in the vLLM engine that sampled it.
 
 vLLM records routes when its engine is built with `enable_return_routed_experts=True`; each finished
-`CompletionOutput` then carries `routed_experts`, a numpy integer array `[prompt_len + completion_len - 1,
+`CompletionOutput` then holds `routed_experts`, a numpy integer array `[prompt_len + completion_len - 1,
 num_moe_layers, top_k]` (the last sampled token is never fed forward). Checked in vLLM 0.22.0's wheel
 (`vllm/outputs.py`, `vllm/config/model.py`, `vllm/engine/arg_utils.py`; int32 transit buffers) and in vLLM's
 main branch; TRL 1.16 supports vLLM 0.22.0 to 0.31.0, the range here.
@@ -247,7 +247,7 @@ def routes_from_vllm(request_outputs, index_dtype: torch.dtype = torch.uint8, *,
     be replayed on the wrong token).
 
     Memory: each completion's routes are copied once, into their own `[completion_len, L, K]` tensor; the prompt's
-    rows are kept once per prompt when its completions carry the same ones (one prefill: vLLM's `n` samples of a
+    rows are kept once per prompt when its completions hold the same ones (one prefill: vLLM's `n` samples of a
     prompt), so a prompt's routes are not held `n` times. `routed_experts` may be a zero-argument callable that
     returns the array (decoded only when its turn comes, then dropped)."""
     prompt_routes, completion_routes = [], []
@@ -499,7 +499,7 @@ def hand_out_choices(choices: list[dict], counts: list[int], accelerator) -> lis
 
 def check_server_returns_routes(client, layout: tuple[int, int] | None = None) -> None:
     """Server mode with R3, at construction: ask the server for one token and refuse now, before any training
-    compute, if its answer carries no routes (a server started with plain `trl vllm-serve`) or malformed ones, or,
+    compute, if its answer holds no routes (a server started with plain `trl vllm-serve`) or malformed ones, or,
     given the trained model's `layout` (MoE layers, top_k), routes of another layout (a server of another model)."""
     from .route_wire import HEADER
 
@@ -587,7 +587,7 @@ def json_completions_answer(body: dict, base_url: str = "the server") -> dict:
 
 def framed_completions_answer(frame) -> dict:
     """The JSON answer of a received route frame, each choice's `routed_experts` reference `"#<i>"` replaced by a
-    `FramedRoute`. A reference to an array the frame does not carry is refused here, where the answer arrives, rather
+    `FramedRoute`. A reference to an array the frame does not hold is refused here, where the answer arrives, rather
     than as an index error when the routes are first read."""
     from .route_wire import reference_index
 
@@ -596,7 +596,7 @@ def framed_completions_answer(frame) -> dict:
         if index is not None:
             if index >= len(frame.index):
                 raise ValueError(f"routing_replay='sampler': the server's route frame names routes #{index} for a "
-                                 f"choice but carries {len(frame.index)} route array(s). Cause: a server whose route "
+                                 f"choice but holds {len(frame.index)} route array(s). Cause: a server whose route "
                                  "encoder and answer disagree (a `trl-gspo vllm-serve` of another version).")
             choice["routed_experts"] = FramedRoute(frame, index)
     return frame.answer

@@ -3,14 +3,14 @@
 # time limit (H200: 139 GiB):
 #   (on a CPU machine first: the wheels the GPU image lacks, and math-verify's, into .whl/, as
 #    gpu_acceptance.sh says)
-#   bash benchmarks/reproduce/gpu_run3.sh [OUT_DIR] [COMMIT]     # on the GPU machine, from the repo root
+#   bash benchmarks/reproduce/gpu_fsdp2_flagship.sh [OUT_DIR] [COMMIT]     # on the GPU machine, from the repo root
 # Phase 1 has the GPU to itself (the timed ratios). Phase 2 runs four chains side by side, each step with its own
 # timeout, so the whole run ends within about 500 s; the untimed figures (peak memory per process, route agreement,
 # rewards) do not depend on the neighbours. The flagship-size step (about 61 GB of weights) shares the GPU with
 # models of at most 40 GB. Logs, written as they go: env.txt, bench.log, fsdp2.log, gpu_tests.log, tools.log,
 # flagship.log.
 set -u
-OUT_DIR=${1:-outputs/gpu_run3}
+OUT_DIR=${1:-outputs/gpu_fsdp2_flagship}
 COMMIT=${2:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
 mkdir -p "$OUT_DIR"
 started=$(date +%s)
@@ -63,7 +63,7 @@ export OMP_NUM_THREADS=2
     stamp "rc $?"
   done
 } > "$OUT_DIR/gpu_tests.log" 2>&1 &
-{  # the tool quickstart on CUDA with R3 across turns: 200 of the recipe's 600 RL steps, to fit the lease
+{  # the tool quickstart on CUDA with R3 across turns: 200 of the recipe's 600 RL steps, to bound the time
   stamp "tool quickstart on CUDA"
   timeout 380 python3 -m trl_gspo.cli --config recipes/quickstart_tools.yaml --use_cpu false --bf16 true \
     --max_steps 200 --logging_steps 20 --output_dir /tmp/quickstart_tools
