@@ -1,8 +1,9 @@
 """Rollout routing replay (R3) from HF generate: routes and sampler log-probs recorded during `generate`, laid out
 like TRL's padded `[prompt | completion]` tensors, checked against one full forward over the same tokens.
 
-DESIGN.md section 5: on CPU, generate with a KV cache and one full forward in the same dtype give the same routes and
-log-probs (float32 difference ~1e-7), so a full forward is an independent reference for the recorded alignment."""
+On CPU, generate with a KV cache and one full forward in the same dtype give the same routes and log-probs (float32
+difference ~1e-7, measured with these tests), so a full forward is an independent reference for the recorded
+alignment."""
 
 import contextlib
 
@@ -284,7 +285,8 @@ def test_recording_refuses_generate_without_kv_cache(tokenizer):
 def test_bf16_sampler_routes_are_forced_in_an_fp32_forward(tokenizer):
     """The mixed-precision gap of a bf16 sampler and an fp32 trainer: without replay some (token, layer) route sets
     differ; replaying the sampler's routes makes the fp32 forward use exactly the sampler's experts."""
-    # 32 experts top-4 (DESIGN.md's proxy) with narrower routers than the other tests: closer races between experts
+    # 32 experts top-4 (a small proxy of a real MoE) with narrower routers than the other tests: closer races between
+    # experts
     shape = dict(num_experts=32, num_experts_per_tok=4, num_hidden_layers=4, router_logit_std=0.3)
     fp32, bf16 = _model(tokenizer, **shape), _model(tokenizer, dtype=torch.bfloat16, **shape)
     fp32.load_state_dict({k: v.float() for k, v in bf16.state_dict().items()})  # same (bf16-representable) weights

@@ -65,7 +65,7 @@ export OMP_NUM_THREADS=2
 } > "$OUT_DIR/gpu_tests.log" 2>&1 &
 {  # the tool quickstart on CUDA with R3 across turns: 200 of the recipe's 600 RL steps, to bound the time
   stamp "tool quickstart on CUDA"
-  timeout 380 python3 -m trl_gspo.cli --config recipes/quickstart_tools.yaml --use_cpu false --bf16 true \
+  timeout 380 python3 -m trl_gspo.launch.cli --config recipes/quickstart_tools.yaml --use_cpu false --bf16 true \
     --max_steps 200 --logging_steps 20 --output_dir /tmp/quickstart_tools
   stamp "rc $?"
   python3 benchmarks/reproduce/summarize_run.py /tmp/quickstart_tools reward tools/call_frequency \
