@@ -71,7 +71,8 @@ def assert_divergent_and_own(result):
     # Which samples reach a tool result also depends on their length: a first turn that fills the context leaves the
     # loop without one (measured on one 2-core x86 machine: 3 of rank 1's 4, every run). The divergence is the point:
     # two tool turns on rank 0 while rank 1 runs one and then none.
-    assert rank0[0] == [2, 8] and rank1[0][0] == 1 and 1 <= rank1[0][1] <= 4 and rank1[1] == [0, 0], result["turns"]
+    assert rank0[0][0] == 2 and 1 <= rank0[0][1] <= 8, result["turns"]  # [turns, samples that reached a result]
+    assert rank1[0][0] == 1 and 1 <= rank1[0][1] <= 4 and rank1[1] == [0, 0], result["turns"]
     assert result["own_history_violations"] == [0, 0] and min(result["samples_checked"]) >= 16
 
 
