@@ -114,8 +114,8 @@ if cli.lora:
 
     folding = trainer_lora.merged_adapters
 
-    def counting(model_, experts_only=False, cache=None):
-        folds.append("old_pass" if experts_only else "generate")
+    def counting(model_, experts_only=False, cache=None):  # named after its caller in trl_gspo/trainer_lora.py
+        folds.append("generate" if sys._getframe(1).f_code.co_name == "folded_generate" else "old_pass")
         return folding(model_, experts_only, cache)
 
     trainer_lora.merged_adapters = counting
