@@ -40,7 +40,8 @@ import _setup  # noqa: E402  (the header line)
 from server_routes import npy_base64  # noqa: E402  (vLLM's base64 `.npy` encoding of routed_experts)
 
 from trl_gspo.sampling.route_wire import CONTENT_TYPE, Frame, encode_frame, receive_buffer  # noqa: E402
-from trl_gspo.sampling.vllm import decode_server_routes, framed_completions_answer  # noqa: E402
+from trl_gspo.sampling.routes import decode_server_routes  # noqa: E402
+from trl_gspo.sampling.server import framed_completions_answer  # noqa: E402
 
 
 def group_samples(prompt_len: int, sample_len: int, group: int, layers: int, top_k: int, experts: int):

@@ -334,7 +334,7 @@ class VllmSampler:
         from vllm import SamplingParams
 
         from trl_gspo.routing.rollout import check_sampled_routes, pad_routes_like, route_dtype
-        from trl_gspo.sampling.vllm import routes_from_vllm
+        from trl_gspo.sampling.routes import routes_from_vllm
 
         problems = [_setup.make_problem(rng) for _ in range(prompts)]
         params = SamplingParams(n=group, temperature=1.0, top_k=0, top_p=1.0, max_tokens=max_new, logprobs=0)

@@ -133,9 +133,9 @@ def _peak_mb() -> float:
 
 
 STAGES = {  # stage -> (module, function) timed inside the round
-    "read answer": ("trl_gspo.sampling.vllm", "read_completions_answer"),
-    "hand out": ("trl_gspo.sampling.vllm", "hand_out_choices"),
-    "split per completion": ("trl_gspo.sampling.vllm", "routes_from_server"),
+    "read answer": ("trl_gspo.sampling.server", "read_completions_answer"),
+    "hand out": ("trl_gspo.sampling.routes", "hand_out_choices"),
+    "split per completion": ("trl_gspo.sampling.routes", "routes_from_server"),
     "check": ("trl_gspo.routing.rollout", "check_sampled_routes"),
 }
 
@@ -171,7 +171,7 @@ def one_round(rank: int, world: int, port: int, answer: str, size: str, form: st
 
     from trl_gspo.routing import rollout
     from trl_gspo.sampling.route_wire import CONTENT_TYPE
-    from trl_gspo.sampling.vllm import capture_routes
+    from trl_gspo.sampling.routes import capture_routes
 
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))  # the machine's cores shared, as a launch does
     stages = {}

@@ -100,9 +100,9 @@ def test_shipped_recipes_resolve(recipe, gpu, capsys, monkeypatch, fake_accelera
         # The default test environment has no vLLM (CI installs it for `pytest -m vllm`, where
         # tests/test_recipes_vllm.py dry-runs these recipes against it); R3 in colocate mode asks for it in a dry run,
         # as the dataset probe asks for the hub, so here the version check answers as for an installed vLLM.
-        from trl_gspo.sampling import vllm
+        from trl_gspo.sampling import engine
 
-        monkeypatch.setattr(vllm, "installed_vllm_version", lambda: vllm.VLLM_RANGE[0])
+        monkeypatch.setattr(engine, "installed_vllm_version", lambda: engine.VLLM_RANGE[0])
     probed = []
     monkeypatch.setattr("trl_gspo.launch.checks._probe_dataset", lambda key, path, config: probed.append((key, path)))
     assert main(["--config", str(recipe), "--dry_run", "true"]) == 0

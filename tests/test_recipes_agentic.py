@@ -79,10 +79,10 @@ def test_differs_from_its_non_tool_sibling_only_in_tools_model_reward_budget_los
 def test_dry_run_from_the_repository_root(name, gpu, from_root, capsys, monkeypatch, fake_accelerator):
     """Resolves without loading a model: the tool and the reward import by their dotted paths; the hub dataset is only
     recorded (offline here) and vLLM's version check answers as for an installed vLLM, as in tests/test_cli.py."""
-    from trl_gspo.sampling import vllm
+    from trl_gspo.sampling import engine
 
     fake_accelerator(gpu)
-    monkeypatch.setattr(vllm, "installed_vllm_version", lambda: vllm.VLLM_RANGE[0])
+    monkeypatch.setattr(engine, "installed_vllm_version", lambda: engine.VLLM_RANGE[0])
     probed = []
     monkeypatch.setattr("trl_gspo.launch.checks._probe_dataset", lambda key, path, config: probed.append(path))
     assert main(["--config", str(FOLDER / f"{name}.yaml"), "--dry_run", "true"]) == 0

@@ -143,18 +143,19 @@ def test_the_trainer_announces_a_json_answer_once(tokenizer, caplog):
     trl-gspo) still works: the routes are read from the JSON, and a warning says once that it is the slow path."""
     from test_vllm_routes import PROMPTS, _server
 
-    from trl_gspo.sampling import vllm as vllm_routes
+    from trl_gspo.sampling import routes as vllm_routes
+    from trl_gspo.sampling import server as vllm_server
 
-    monkey_state = list(vllm_routes._json_fallback_announced)
-    vllm_routes._json_fallback_announced.clear()
+    monkey_state = list(vllm_server._json_fallback_announced)
+    vllm_server._json_fallback_announced.clear()
     try:
         for framed in (False, False, True):
             llm, client = _server(tokenizer, framed=framed)
-            with caplog.at_level("WARNING"), vllm_routes.capture_server_choices(client) as choices:
+            with caplog.at_level("WARNING"), vllm_server.capture_server_choices(client) as choices:
                 client.session.post("http://h/v1/completions", json={"prompt": [PROMPTS[0]]})
             assert len(vllm_routes.routes_from_server(choices).completion_routes) == 2
     finally:
-        vllm_routes._json_fallback_announced[:] = monkey_state
+        vllm_server._json_fallback_announced[:] = monkey_state
     said = [r.getMessage() for r in caplog.records if "base64 inside its JSON answer" in r.getMessage()]
     assert len(said) == 1 and "trl-gspo vllm-serve" in said[0]
 

@@ -13,7 +13,7 @@ from types import SimpleNamespace
 import pytest
 
 from trl_gspo.sampling import server_watch
-from trl_gspo.sampling.vllm import SamplerServerError, server_failures
+from trl_gspo.sampling.server import SamplerServerError, server_failures
 
 METRICS = """# HELP vllm:generation_tokens_total Number of generation tokens processed.
 # TYPE vllm:generation_tokens_total counter

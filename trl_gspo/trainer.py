@@ -27,10 +27,11 @@ from .losses import (
     raise_if_nonfinite,
 )
 from .model_checks import check_model
+from .sampling.engine import check_sampler_at_start, engine_options, trainer_engine_options
 from .sampling.metrics import SamplerWatch, log_turns, sampling_metrics
 from .sampling.old_logps import SamplerOldLogps
-from .sampling.vllm import (capture_routes, check_sampler_at_start, engine_options, server_failures,
-                            trainer_engine_options)
+from .sampling.routes import capture_routes
+from .sampling.server import server_failures
 from .trainer_checkpoints import CheckpointMixin
 from .trainer_lora import TrainerLora
 from .tool_turns import ToolTurnsMixin

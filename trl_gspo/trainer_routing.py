@@ -27,7 +27,7 @@ from .routing import RoutingReplay, RoutingReplayError, drift_statistics, find_r
 from .routing.rollout import (SampledRoutes, check_sampled_routes, has_route, pad_routes_like, record_generation,
                               route_dtype, wrapping_method)
 from .routing.turns import SamplerCall, stitch_turns
-from .sampling.vllm import routes_from_rollout_func
+from .sampling.routes import routes_from_rollout_func
 
 logger = logging.get_logger(__name__)
 
@@ -101,7 +101,7 @@ class TrainerRouting:
     def sampling(self, target, vllm: bool = False):
         """Around TRL's generation call (R3). `target()` gives what generates: the unwrapped model (HF `generate`:
         the experts of every token and the sampler's log-probs are recorded here), or, with `vllm=True`, a context
-        manager over TRL's vLLM call (`trl_gspo.sampling.vllm.capture_routes`: colocate at any TP size, or server).
+        manager over TRL's vLLM call (`trl_gspo.sampling.routes.capture_routes`: colocate at any TP size, or server).
         Yields `finish(prompt_ids, completion_ids, logprobs)` (this call's token lists, TRL's), which keeps the call's
         routes of this rank's completions and returns the sampler log-probs TRL should see, one list per completion."""
         if not self._sampling:

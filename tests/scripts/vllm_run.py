@@ -23,7 +23,7 @@ The JSON holds GSPOConfig overrides plus these script options:
 
 R3 reference: each policy pass of the trainer (TRL's old-policy pass and every training pass) is scored again on a
 separate copy of the model, with the routes vLLM returned for those tokens forced (laid out here, by hand, from the
-raw `RequestOutput`s, independently of trl_gspo.sampling.vllm), and once with natural routing. Prints one line
+raw `RequestOutput`s, independently of trl_gspo.sampling.routes), and once with natural routing. Prints one line
 `RESULT {json}` (rank 0): log history, the reference differences, the final weights' checksum, warnings seen.
 """
 

