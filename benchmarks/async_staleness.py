@@ -96,8 +96,8 @@ def one_run(spec: dict) -> dict:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     sys.path.insert(0, str(ROOT / "tests"))
-    import async_stand_ins
-    from async_stand_ins import NoWeightTransfer, QueueWorker  # no server: the benchmark samples itself
+    from support import async_stand_ins
+    from support.async_stand_ins import NoWeightTransfer, QueueWorker  # no server: the benchmark samples itself
 
     async_stand_ins.install()
     from trl.experimental.async_grpo.packing import TreeRow

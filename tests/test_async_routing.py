@@ -6,12 +6,12 @@ forced; the routes are random, so a position given another sample's route, or no
 import numpy as np
 import pytest
 import torch
-from conftest import toy_dataset
+from support.helpers import toy_dataset
 from test_async_trainer import (EPISODES, PROMPTS, _reference_logps, _samples, assert_matches_reference,
                                 token_budget_step)
 
-import async_stand_ins
-from async_stand_ins import NoWeightTransfer, QueueWorker
+from support import async_stand_ins
+from support.async_stand_ins import NoWeightTransfer, QueueWorker
 
 async_stand_ins.install()
 

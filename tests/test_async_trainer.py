@@ -1,5 +1,6 @@
 """`AsyncGSPOTrainer` (trl_gspo/async_trainer.py) without a server: TRL's asynchronous trainer on a CPU with the
-test stand-ins of tests/async_stand_ins.py, a rollout worker that is a queue the test fills, and no weight transfer.
+test stand-ins of tests/support/async_stand_ins.py, a rollout worker that is a queue the test fills, and no weight
+transfer.
 
 The loss is checked on TRL's own packed rows (its trie packing, tree attention, fused LM head): value and gradient of
 every parameter against a float64 reference written from the paper (one completion at a time, a plain forward, no
@@ -11,10 +12,10 @@ from collections import defaultdict
 import numpy as np
 import pytest
 import torch
-from conftest import tiny_config, toy_dataset
+from support.helpers import tiny_config, toy_dataset
 
-import async_stand_ins
-from async_stand_ins import NoWeightTransfer, QueueWorker
+from support import async_stand_ins
+from support.async_stand_ins import NoWeightTransfer, QueueWorker
 
 async_stand_ins.install()
 

@@ -1,12 +1,12 @@
 """TRL 1.16's asynchronous trainer (`trl.experimental.async_grpo.AsyncGRPOTrainer`) and its GSPO subclass
 (`trl_gspo.AsyncGSPOTrainer`) end to end on a CPU, against a real vLLM CPU server, `pytest -m vllm`.
 
-One server for the module (`trl-gspo vllm-serve`, float32, tests/vllm_cpu_engine.py as its vLLM plugin and
-tests/async_weight_files.py's worker extension). Each run is tests/scripts/async_run.py in a subprocess: TRL's rollout
-worker (a child process on the server's `/v1/completions`), its queue and staleness filter, its weight-sync callbacks
-and its checkpoints, with two test-only pieces on the trainer's side: tests/async_stand_ins.py (tree attention
-without FlashAttention-3, no CUDA device name) and tests/async_weight_files.py (the weights through a file and
-`/collective_rpc` instead of TRL's NCCL-only transfer). Figures were measured on a 2-core CPU, vllm-cpu 0.29.0.
+One server for the module (`trl-gspo vllm-serve`, float32, tests/support/vllm_cpu_engine.py as its vLLM plugin and
+tests/support/async_weight_files.py's worker extension). Each run is tests/scripts/async_run.py in a subprocess: TRL's
+rollout worker (a child process on the server's `/v1/completions`), its queue and staleness filter, its weight-sync
+callbacks and its checkpoints, with two test-only pieces on the trainer's side: tests/support/async_stand_ins.py (tree
+attention without FlashAttention-3, no CUDA device name) and tests/support/async_weight_files.py (the weights through a
+file and `/collective_rpc` instead of TRL's NCCL-only transfer). Figures were measured on a 2-core CPU, vllm-cpu 0.29.0.
 
 Checked: the weights reach the server after every transfer (its log-probs follow the trainer's; a negative control),
 stale samples are dropped, and a run killed after a checkpoint resumes from it. Two things stock TRL 1.16 does, both
@@ -27,7 +27,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import cpu_env
+from support.helpers import cpu_env
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow,
               pytest.mark.skipif(importlib.util.find_spec("vllm") is None,
@@ -98,7 +98,7 @@ def async_server(tmp_path_factory):
     float32 trainer's to rounding) serving the tiny Qwen3-MoE with the tool tokenizer's chat template, with the
     weight-loading extension. Yields (url, model dir): the trainer loads the same directory."""
     from async_run import build_model_dir
-    from async_weight_files import WORKER_EXTENSION
+    from support.async_weight_files import WORKER_EXTENSION
     from test_vllm import _serving
 
     root = tmp_path_factory.mktemp("async_server")

@@ -6,7 +6,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import cpu_env
+from support.helpers import cpu_env
 
 pytestmark = pytest.mark.slow
 BENCHMARKS = Path(__file__).parents[1] / "benchmarks"

@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 import yaml
-from conftest import BASE_RECIPE as BASE
-from conftest import cpu_env, skip_without_math_verify
+from support.helpers import BASE_RECIPE as BASE
+from support.helpers import cpu_env, skip_without_math_verify
 
 from trl_gspo.launch.cli import main, parse_recipe
 

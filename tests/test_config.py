@@ -1,7 +1,7 @@
 """GSPOConfig presets and early, clear errors for options GSPO cannot honour."""
 
 import pytest
-from conftest import digit_reward, tiny_config, toy_dataset
+from support.helpers import digit_reward, tiny_config, toy_dataset
 from trl import GRPOConfig
 
 from trl_gspo import GSPOConfig, GSPOTrainer

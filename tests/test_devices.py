@@ -121,4 +121,4 @@ def test_every_python_subprocess_of_the_suite_is_pinned_to_cpu():
                 env = next((k.value for k in node.keywords if k.arg == "env"), None)
                 if not (env is not None and (is_cpu_env(env) or isinstance(env, ast.Name) and env.id in pinned)):
                     unpinned.append(f"{path.name}:{node.lineno}")
-    assert unpinned == [], f"pass env=cpu_env() (tests/conftest.py) at {unpinned}"
+    assert unpinned == [], f"pass env=cpu_env() (tests/support/helpers.py) at {unpinned}"

@@ -4,7 +4,7 @@ import json
 import math
 
 import pytest
-from conftest import digit_reward, tiny_config, toy_dataset
+from support.helpers import digit_reward, tiny_config, toy_dataset
 
 from trl_gspo import GSPOTrainer
 from trl_gspo.quickstart.model import build_dense_model, build_model

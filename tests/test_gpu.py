@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import digit_reward, tiny_config, toy_dataset
+from support.helpers import digit_reward, tiny_config, toy_dataset
 
 pytestmark = pytest.mark.gpu
 ROOT = Path(__file__).resolve().parents[1]

@@ -12,7 +12,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from conftest import cpu_env
+from support.helpers import cpu_env
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "trl_gspo"

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import psutil
 import pytest
-from conftest import cpu_env
+from support.helpers import cpu_env
 
 ROOT = Path(__file__).resolve().parents[1]
 

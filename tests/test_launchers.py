@@ -11,7 +11,7 @@ import textwrap
 from pathlib import Path
 
 import pytest
-from conftest import cpu_env
+from support.helpers import cpu_env
 
 import trl_gspo.launch.checks
 import trl_gspo.launch.launching

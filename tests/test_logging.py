@@ -1,8 +1,8 @@
 """Logging and rewards: `report_to: tensorboard` works offline; the recipes' math rewards resolve and score."""
 
 import pytest
-from conftest import skip_without_math_verify
-from conftest import digit_reward, tiny_config, toy_dataset
+from support.helpers import skip_without_math_verify
+from support.helpers import digit_reward, tiny_config, toy_dataset
 
 from trl_gspo import GSPOTrainer
 from trl_gspo.quickstart.model import build_model

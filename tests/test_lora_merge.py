@@ -7,7 +7,7 @@ import types
 
 import pytest
 import torch
-from conftest import digit_reward, tiny_config, toy_dataset
+from support.helpers import digit_reward, tiny_config, toy_dataset
 from trl_gspo import GSPOTrainer
 from trl_gspo.quickstart.model import build_model
 

@@ -6,7 +6,7 @@ import time
 
 import pytest
 import transformers
-from conftest import digit_reward, tiny_config, toy_dataset
+from support.helpers import digit_reward, tiny_config, toy_dataset
 from test_routing import FAMILIES, _build, _config
 
 from trl_gspo import GSPOConfig, GSPOTrainer

@@ -7,7 +7,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import cpu_env, skip_without_math_verify
+from support.helpers import cpu_env, skip_without_math_verify
 import yaml
 
 from trl_gspo.launch.cli import main

@@ -16,7 +16,7 @@ import math
 
 import pytest
 import torch
-from conftest import tiny_config
+from support.helpers import tiny_config
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from trl_gspo import GSPOTrainer
@@ -309,7 +309,7 @@ def test_rollout_func_routes_are_replayed_in_every_policy_pass(tmp_path, tokeniz
     """A rollout_func that returns `routed_experts` (vLLM's layout: rows over prompt + completion minus the last
     token) gets them replayed: every policy pass equals a model copy scored with those routes forced; natural routing
     differs. The routes come from a copy of the model with perturbed routers, as a stale sampler's would."""
-    from conftest import toy_dataset
+    from support.helpers import toy_dataset
 
     from trl_gspo.quickstart.model import build_model
 
@@ -369,7 +369,7 @@ def test_rollout_func_routes_are_replayed_in_every_policy_pass(tmp_path, tokeniz
 
 
 def test_rollout_func_routes_of_the_wrong_shape_are_refused(tmp_path, tokenizer):
-    from conftest import toy_dataset
+    from support.helpers import toy_dataset
 
     from trl_gspo.quickstart.model import build_model
 

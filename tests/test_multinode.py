@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import cpu_env
+from support.helpers import cpu_env
 from safetensors.torch import load_file
 from test_multiprocess import ONE_PROCESS, RUN_SCRIPT, _assert_same_run, _free_port
 

@@ -6,7 +6,7 @@ import math
 
 import pytest
 import torch
-from conftest import digit_reward, tiny_config, toy_dataset
+from support.helpers import digit_reward, tiny_config, toy_dataset
 from transformers.utils import logging as hf_logging
 
 import trl_gspo.routing.rollout as rollout

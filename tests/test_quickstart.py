@@ -6,7 +6,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import cpu_env
+from support.helpers import cpu_env
 
 from trl_gspo.quickstart.addition import digit_match_reward, exact_match_reward, make_rl_dataset, make_sft_dataset
 

@@ -9,7 +9,7 @@ import textwrap
 from pathlib import Path
 
 import pytest
-from conftest import cpu_env
+from support.helpers import cpu_env
 
 import trl_gspo.launch.launching
 import trl_gspo.quickstart.model

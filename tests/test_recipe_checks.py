@@ -6,7 +6,7 @@ import json
 import textwrap
 
 import pytest
-from conftest import BASE_RECIPE as BASE
+from support.helpers import BASE_RECIPE as BASE
 
 import trl_gspo.launch.launching
 import trl_gspo.quickstart.model

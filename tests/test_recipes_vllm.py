@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from conftest import skip_without_math_verify
+from support.helpers import skip_without_math_verify
 
 from trl_gspo.launch.cli import main
 

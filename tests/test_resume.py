@@ -8,7 +8,7 @@ import shutil
 
 import pytest
 import torch
-from conftest import cpu_env, digit_reward, tiny_config, toy_dataset
+from support.helpers import cpu_env, digit_reward, tiny_config, toy_dataset
 
 from trl_gspo import GSPOTrainer
 from trl_gspo.checkpoints import (
@@ -210,7 +210,7 @@ KILLED_DURING_SAVE = """
 import os, signal, sys
 sys.path.insert(0, {tests!r})
 import test_resume
-from conftest import *  # noqa
+from support.helpers import *  # noqa
 from trl_gspo import GSPOTrainer
 from trl_gspo.quickstart.tokenizer import build_tokenizer
 

@@ -5,7 +5,7 @@ import shutil
 
 import pytest
 import torch
-from conftest import digit_reward, tiny_config, toy_dataset
+from support.helpers import digit_reward, tiny_config, toy_dataset
 
 import trl_gspo.routing.rollout as rollout
 from trl_gspo import GSPOTrainer

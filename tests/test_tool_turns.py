@@ -24,7 +24,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import cpu_env
+from support.helpers import cpu_env
 
 SCRIPT = Path(__file__).parent / "scripts" / "tool_turns_run.py"
 CONFIGS = Path(__file__).parents[1] / "recipes" / "accelerate"

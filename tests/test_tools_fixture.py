@@ -9,7 +9,7 @@ import pytest
 from transformers import AutoModelForCausalLM, AutoTokenizer
 from trl.chat_template_utils import is_chat_template_prefix_preserving, parse_response, supports_tool_calling
 
-from conftest import tiny_config
+from support.helpers import tiny_config
 from trl_gspo import GSPOTrainer
 from trl_gspo.quickstart.tools import (
     CalculatorEnv,

@@ -4,7 +4,7 @@ import logging
 
 import pytest
 import torch
-from conftest import digit_reward, tiny_config, toy_dataset
+from support.helpers import digit_reward, tiny_config, toy_dataset
 from trl import GRPOConfig, GRPOTrainer
 
 from trl_gspo import GSPOTrainer

@@ -18,12 +18,12 @@ import re
 import types
 import typing
 
-import async_stand_ins
+from support import async_stand_ins
 import numpy as np
 import pytest
 import torch
-from async_stand_ins import NoWeightTransfer, QueueWorker
-from conftest import digit_reward, tiny_config, toy_dataset
+from support.async_stand_ins import NoWeightTransfer, QueueWorker
+from support.helpers import digit_reward, tiny_config, toy_dataset
 from transformers import Trainer, TrainingArguments
 from trl import GRPOConfig, GRPOTrainer
 
@@ -552,8 +552,8 @@ def test_async_step_accounting_flushed_by_log_step_metrics(async_trainer):
 
 def test_async_sync_weight_bumps_model_version(async_trainer, monkeypatch):
     """TRL's `_sync_weight` streams the weights through the injected transfer under transformers' parameter names
-    (what tests/async_weight_files.py hands vLLM's `load_weights`) and then, on the main process only, adds one to
-    `model_version` and tells the rollout worker; AsyncGSPOTrainer broadcasts that version to every rank."""
+    (what tests/support/async_weight_files.py hands vLLM's `load_weights`) and then, on the main process only, adds one
+    to `model_version` and tells the rollout worker; AsyncGSPOTrainer broadcasts that version to every rank."""
     from trl.experimental.async_grpo import AsyncGRPOTrainer
 
     trainer = async_trainer
@@ -663,9 +663,10 @@ def test_async_model_forward_outputs(async_trainer, monkeypatch):
 
 
 def test_async_tree_attention_seam(monkeypatch):
-    """tests/async_stand_ins.py replaces FlashAttention-3 at `packing._flash_attn`: TRL's `tree_attention` looks it up
-    there on every call and calls its `flash_attn_varlen_func` with the gathered path keys, FlashAttention's varlen
-    arguments and these keywords. Through the stand-in, a forked sample's tokens attend exactly to their own path."""
+    """tests/support/async_stand_ins.py replaces FlashAttention-3 at `packing._flash_attn`: TRL's `tree_attention` looks
+    it up there on every call and calls its `flash_attn_varlen_func` with the gathered path keys, FlashAttention's
+    varlen arguments and these keywords. Through the stand-in, a forked sample's tokens attend exactly to their own
+    path."""
     from trl.experimental.async_grpo import packing
 
     calls = []
@@ -726,9 +727,9 @@ def test_async_peak_flops_seam():
 
 def test_async_worker_and_weight_transfer_protocols():
     """The stand-ins implement TRL's `RolloutWorkerProtocol` (tests' QueueWorker) and `WeightTransferProtocol`
-    (NoWeightTransfer, tests/async_weight_files.py's FileWeightTransfer), method by method with TRL's parameters;
-    TRL takes both injected and reads the worker's `rollout_buffer` as its rollout queue."""
-    from async_weight_files import FileWeightTransfer
+    (NoWeightTransfer, tests/support/async_weight_files.py's FileWeightTransfer), method by method with TRL's
+    parameters; TRL takes both injected and reads the worker's `rollout_buffer` as its rollout queue."""
+    from support.async_weight_files import FileWeightTransfer
     from trl.experimental.async_grpo import AsyncGRPOTrainer
     from trl.experimental.async_grpo.async_grpo_trainer import RolloutWorkerProtocol, WeightTransferProtocol
 

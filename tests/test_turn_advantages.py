@@ -8,7 +8,7 @@ from itertools import count
 
 import pytest
 import torch
-from conftest import digit_reward, tiny_config, toy_dataset
+from support.helpers import digit_reward, tiny_config, toy_dataset
 
 from trl_gspo.losses import gspo_loss, gspo_token_loss, masked_sequence_mean
 from trl_gspo.multi_turn import (ToolCreditGSPOTrainer, ToolSpan, failed_tool_turns, per_turn_advantages,

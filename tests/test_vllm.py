@@ -2,8 +2,8 @@
 tensor-parallel sizes 1 and 2, and server mode against a `trl-gspo vllm-serve` process.
 
 Each test trains in a subprocess (tests/scripts/vllm_run.py: TRL builds its engine in the training process, with
-torch.compile on, as it does for users). The engine is made a correct sampler by tests/vllm_cpu_engine.py, the one
-place where vLLM's CPU build is changed (route capture, weight sync); two tests run without a patch to show what it
+torch.compile on, as it does for users). The engine is made a correct sampler by tests/support/vllm_cpu_engine.py, the
+one place where vLLM's CPU build is changed (route capture, weight sync); two tests run without a patch to show what it
 fixes and that our checks catch it. Figures asserted here were measured on a 2-core CPU with vllm-cpu 0.29.0.
 """
 
@@ -22,7 +22,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
-from conftest import cpu_env
+from support.helpers import cpu_env
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow,
               pytest.mark.skipif(importlib.util.find_spec("vllm") is None,
@@ -30,7 +30,7 @@ pytestmark = [pytest.mark.vllm, pytest.mark.slow,
 SCRIPT = Path(__file__).parent / "scripts" / "vllm_run.py"
 ZERO3 = Path(__file__).parents[1] / "recipes" / "accelerate" / "cpu_zero3.yaml"
 DDP = Path(__file__).parents[1] / "recipes" / "accelerate" / "cpu_ddp.yaml"
-sys.path.insert(0, str(SCRIPT.parent))  # vllm_run (the test model) and vllm_cpu_engine (the server's plugin)
+sys.path.insert(0, str(SCRIPT.parent))  # vllm_run (the test model)
 # Round-1 (token, layer) route agreement of a bf16 engine with the float32 trainer, same weights: 0.995-1.0 measured
 # with this model (0.96-0.997 on others); a margin below that.
 MIN_AGREEMENT = 0.95
@@ -55,8 +55,8 @@ def _build_model_dir(path):
 
 def _remove_cpu_shm(tag):
     """Remove the shared-memory files of a tensor-parallel run's vLLM CPU communicator, named after `tag`
-    (tests/vllm_cpu_engine.py, 4). The run's scripts end with `os._exit` (a teardown of vLLM's CPU workers aborted
-    once), which skips vLLM's own unlink."""
+    (tests/support/vllm_cpu_engine.py, 4). The run's scripts end with `os._exit` (a teardown of vLLM's CPU workers
+    aborted once), which skips vLLM's own unlink."""
     for left in Path("/dev/shm").glob(f"{tag}*-cpushm_*"):
         with contextlib.suppress(OSError):
             left.unlink()
@@ -181,7 +181,7 @@ def test_r3_replays_the_routes_vllm_returned(tmp_path):
 
 def test_engine_samples_from_the_trained_weights_after_every_sync(tmp_path):
     """Learning rate 0.05, three rounds: the sampler/trainer gap and route agreement hold. Without re-packing the
-    CPU kernel's experts after TRL's sync (vLLM's CPU build; tests/vllm_cpu_engine.py) the engine samples from
+    CPU kernel's experts after TRL's sync (vLLM's CPU build; tests/support/vllm_cpu_engine.py) the engine samples from
     garbage and GSPOTrainer says so loudly. How garbled depends on the CPU's packing format (measured: 0.03 -> 2.4 ->
     3.4 nats on one machine, 0.025 -> 0.70 -> 0.42 on another), so the broken run is compared with the healthy one."""
     kept = _run(tmp_path / "kept", routing_replay="sampler", max_steps=12, learning_rate=5e-2)
@@ -216,7 +216,7 @@ def test_a_sampler_wrong_from_the_first_round_is_announced_in_that_round(tmp_pat
 
 def test_float32_engine_matches_the_float32_trainer(tmp_path):
     """`vllm_dtype="float32"`: no precision gap, so no warning, every route agrees and log-probs match to float32
-    rounding; TRL's weight sync works with it (tests/vllm_cpu_engine.py patch 2)."""
+    rounding; TRL's weight sync works with it (tests/support/vllm_cpu_engine.py patch 2)."""
     result = _run(tmp_path, routing_replay="sampler", vllm_dtype="float32", max_steps=8, learning_rate=5e-2)
     rounds = _rounds(result)
     assert not any("vLLM samples in" in w for w in result["warnings"])
@@ -296,10 +296,11 @@ def test_tensor_parallel_2_under_zero3_syncs_every_round(tmp_path):
 @contextlib.contextmanager
 def _serving(root, model_dir, max_model_len=128, started=None, extra=()):
     """A real vLLM server, `trl-gspo vllm-serve --model MODEL_DIR` on loopback, until the block ends; yields its URL.
-    Its processes load tests/vllm_cpu_engine.py as a vLLM plugin (route capture in the CPU MoE kernel). `started`: a
-    list that receives the server's process (its process group: the server and its engine); `extra`: more arguments.
+    Its processes load tests/support/vllm_cpu_engine.py as a vLLM plugin (route capture in the CPU MoE kernel).
+    `started`: a list that receives the server's process (its process group: the server and its engine); `extra`: more
+    arguments.
     """
-    import vllm_cpu_engine
+    from support import vllm_cpu_engine
 
     port = _free_port()
     root.mkdir(parents=True, exist_ok=True)

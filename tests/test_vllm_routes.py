@@ -360,7 +360,7 @@ def test_trl_gspo_vllm_serve_asks_for_routes_only_from_moe_models(tmp_path, caps
 def test_trl_gspo_vllm_serve_leaves_unreadable_configs_to_vllm(tmp_path):
     from trl_gspo.sampling.serve import SERVER_ROUTES_FLAG, config_has_experts, server_command
 
-    assert config_has_experts(str(tmp_path / "missing")) is None  # no such directory, hub offline (conftest)
+    assert config_has_experts(str(tmp_path / "missing")) is None  # no such directory, hub offline (support.helpers)
     assert server_command(["--model", str(tmp_path / "missing")])[-3] == SERVER_ROUTES_FLAG
 
 

@@ -1,7 +1,7 @@
 """CI runs the vLLM leg on two pytest-xdist workers (`-n 2 --dist loadgroup`, .ci/run); tests that share a
 module-scoped fixture (a vLLM server, a reference run) must stay on one worker, or each worker builds the fixture
-again (a vLLM server: about a minute). tests/xdist_groups.py marks them; here a small suite of its own runs under
-exactly that mode and says where each test ran. This fails if pytest-xdist ignores the groups, as it did silently
+again (a vLLM server: about a minute). tests/support/xdist_groups.py marks them; here a small suite of its own runs
+under exactly that mode and says where each test ran. This fails if pytest-xdist ignores the groups, as it did silently
 with pytest 9.2 (pyproject.toml pins pytest below it)."""
 
 import json
@@ -11,7 +11,7 @@ import textwrap
 from pathlib import Path
 
 import pytest
-from conftest import cpu_env
+from support.helpers import cpu_env
 
 TESTS = Path(__file__).parent
 
@@ -50,7 +50,7 @@ CONFTEST = f'''
 import sys
 sys.path.insert(0, {str(TESTS)!r})
 import pytest
-from xdist_groups import group_module_fixture_users
+from support.xdist_groups import group_module_fixture_users
 
 @pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config, items):

@@ -23,8 +23,8 @@ import torch
 
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: the stand-ins
-import async_stand_ins  # noqa: E402
-from async_stand_ins import NoWeightTransfer, QueueWorker  # noqa: E402
+from support import async_stand_ins  # noqa: E402
+from support.async_stand_ins import NoWeightTransfer, QueueWorker  # noqa: E402
 
 async_stand_ins.install()
 

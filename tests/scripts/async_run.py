@@ -3,13 +3,13 @@
     async_run.py OUT_DIR '{"server": "http://127.0.0.1:PORT", "model_dir": "...", ...}'
 
 The server (started by the test: `trl-gspo vllm-serve --model MODEL_DIR --worker-extension-cls
-async_weight_files.LoadWeightsFile`, tests/vllm_cpu_engine.py as its vLLM plugin) serves MODEL_DIR, the tiny
-Qwen3-MoE with the tool tokenizer's chat template (`build_model_dir`); the trainer loads the same directory, so the
-rollout worker asks the server for the model under that name. On the trainer's side, test-only:
-tests/async_stand_ins.py (tree attention through SDPA, no CUDA device name) and tests/async_weight_files.py (weights
-through a file instead of TRL's NCCL transfer). Everything else is TRL's: its rollout worker (a child process on
-`/v1/completions`), its queue and staleness filter, its weight-sync callbacks, its checkpoints (`rollout_state.json`)
-and resume.
+support.async_weight_files.LoadWeightsFile`, tests/support/vllm_cpu_engine.py as its vLLM plugin) serves MODEL_DIR,
+the tiny Qwen3-MoE with the tool tokenizer's chat template (`build_model_dir`); the trainer loads the same directory,
+so the rollout worker asks the server for the model under that name. On the trainer's side, test-only:
+tests/support/async_stand_ins.py (tree attention through SDPA, no CUDA device name) and
+tests/support/async_weight_files.py (weights through a file instead of TRL's NCCL transfer). Everything else is TRL's:
+its rollout worker (a child process on `/v1/completions`), its queue and staleness filter, its weight-sync callbacks,
+its checkpoints (`rollout_state.json`) and resume.
 
 Options (JSON), all optional but `server` and `model_dir`:
     trainer          "trl" (AsyncGRPOTrainer / AsyncGRPOConfig) or "gspo" (trl_gspo.AsyncGSPOTrainer /
@@ -171,8 +171,8 @@ def main():
     out_dir.mkdir(parents=True, exist_ok=True)
     started = time.monotonic()
 
-    import async_stand_ins
-    from async_weight_files import FileWeightTransfer
+    from support import async_stand_ins
+    from support.async_weight_files import FileWeightTransfer
     from datasets import Dataset
     from transformers import AutoTokenizer, TrainerCallback
     from trl.experimental.async_grpo import AsyncGRPOConfig, AsyncGRPOTrainer

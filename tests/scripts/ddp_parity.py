@@ -11,7 +11,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from conftest import digit_reward, tiny_config, toy_dataset  # noqa: E402
+from support.helpers import digit_reward, tiny_config, toy_dataset  # noqa: E402
 from trl import GRPOConfig, GRPOTrainer  # noqa: E402
 
 from trl_gspo import GSPOTrainer  # noqa: E402

@@ -25,7 +25,7 @@ import torch
 from transformers import LogitsProcessor, LogitsProcessorList
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from conftest import tiny_config, toy_dataset  # noqa: E402
+from support.helpers import tiny_config, toy_dataset  # noqa: E402
 
 from trl_gspo import GSPOTrainer  # noqa: E402
 from trl_gspo.quickstart.model import build_model  # noqa: E402

@@ -53,7 +53,7 @@ import torch
 TESTS = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(TESTS))
 sys.path.insert(0, str(TESTS / "scripts"))
-from conftest import tiny_config  # noqa: E402
+from support.helpers import tiny_config  # noqa: E402
 
 try:  # skip DeepSpeed's JIT build of a shared-memory op that gloo on CPU does not need
     import deepspeed.ops
@@ -258,7 +258,7 @@ def main():
     grpo_trainer.parse_response = forced_calls(grpo_trainer.parse_response)
     weight_syncs = []
     if engine != "hf":
-        import vllm_cpu_engine
+        from support import vllm_cpu_engine
 
         vllm_cpu_engine.install()
     if engine == "server":  # NCCL-only in TRL 1.16: no weight transfer between CPU processes (learning rate 0)

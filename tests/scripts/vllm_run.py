@@ -10,9 +10,9 @@ The JSON holds GSPOConfig overrides plus these script options:
     resume: true         resume from the newest checkpoint in OUT_DIR
     tools: true          the calculator task of trl_gspo/quickstart/tools.py through TRL's tool loop (`tools=[add]`);
                          load the cold-started tool model (TRL_GSPO_VLLM_MODEL_DIR, built by the test)
-    engine: "..."        "patched" (default: tests/vllm_cpu_engine.py, all three patches), "no_repack" (experts are not
-                         re-packed after a weight sync), "no_capture" (the CPU MoE kernel claims route capture but
-                         never reports: vLLM returns all-zero routes), "other_checkpoint" (the engine loads another
+    engine: "..."        "patched" (default: tests/support/vllm_cpu_engine.py, all three patches), "no_repack" (experts
+                         are not re-packed after a weight sync), "no_capture" (the CPU MoE kernel claims route capture
+                         but never reports: vLLM returns all-zero routes), "other_checkpoint" (the engine loads another
                          checkpoint, same architecture, another seed and init scale; TRL's weight sync is stubbed: a
                          sampler wrong from the first round on), "perturbed_routers" (the engine loads the model
                          with its routers perturbed and TRL's sync is stubbed: its routes differ from the trainer's
@@ -40,8 +40,8 @@ import torch
 
 TESTS = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(TESTS))
-import vllm_cpu_engine  # noqa: E402
-from conftest import digit_reward, tiny_config  # noqa: E402
+from support import vllm_cpu_engine  # noqa: E402
+from support.helpers import digit_reward, tiny_config  # noqa: E402
 
 try:  # skip DeepSpeed's JIT build of a shared-memory op that gloo on CPU does not need
     import deepspeed.ops

@@ -9,7 +9,7 @@ A GPU needs nothing from this module: there, TRL's own client works as shipped.
 
 Here the same `WeightTransferProtocol` (`init_weight_transfer`, `pause`, `send_weights`, `resume`, `destroy`) is
 implemented over HTTP against a vLLM server started in dev mode (`VLLM_SERVER_DEV_MODE=1`, which `trl vllm-serve`
-sets) with `--worker-extension-cls async_weight_files.LoadWeightsFile`:
+sets) with `--worker-extension-cls support.async_weight_files.LoadWeightsFile`:
 
 - `pause`: `POST /pause?mode=keep` (what TRL's client does: in-flight requests freeze and go on after `resume`);
 - `send_weights`: the `(name, tensor)` stream TRL hands over (transformers names, from `_iter_vllm_named_params`) is
@@ -17,8 +17,8 @@ sets) with `--worker-extension-cls async_weight_files.LoadWeightsFile`:
   `LoadWeightsFile.load_weights_file(path)` on every worker of the server: the engine model's own `load_weights`
   reads the file, then the CPU MoE experts are packed again (`vllm_cpu_engine.repack_experts`: vLLM's CPU build
   packs expert weights into its kernel's layout at load time and a later `load_weights` writes plain ones, which the
-  kernel would read as packed; tests/vllm_cpu_engine.py, loaded as a vLLM plugin in every server process, tracks the
-  packed layers). Then `POST /reset_prefix_cache`, so that no new request reuses KV blocks computed with the old
+  kernel would read as packed; tests/support/vllm_cpu_engine.py, loaded as a vLLM plugin in every server process, tracks
+  the packed layers). Then `POST /reset_prefix_cache`, so that no new request reuses KV blocks computed with the old
   weights (the reset is refused by vLLM while frozen requests still hold blocks; `prefix_cache_resets` counts both);
 - `resume`: `POST /resume`.
 
@@ -37,7 +37,8 @@ import time
 import requests
 import torch
 
-WORKER_EXTENSION = "async_weight_files.LoadWeightsFile"  # for `--worker-extension-cls` (tests/ is on its PYTHONPATH)
+# for `--worker-extension-cls` (tests/ is on the server's PYTHONPATH)
+WORKER_EXTENSION = "support.async_weight_files.LoadWeightsFile"
 
 
 class FileWeightTransfer:
@@ -117,7 +118,8 @@ class FileWeightTransfer:
 
 
 class LoadWeightsFile:
-    """Server side: mixed into each vLLM worker by `--worker-extension-cls async_weight_files.LoadWeightsFile`."""
+    """Server side: mixed into each vLLM worker by
+    `--worker-extension-cls support.async_weight_files.LoadWeightsFile`."""
 
     @torch.no_grad()
     def load_weights_file(self, path: str) -> dict:
@@ -127,7 +129,7 @@ class LoadWeightsFile:
         MoE layers whose experts were packed again)."""
         from safetensors.torch import load_file
 
-        import vllm_cpu_engine
+        from support import vllm_cpu_engine
 
         model = self.get_model()
         weights = load_file(path)

@@ -134,14 +134,14 @@ def install(repack: bool = True, capture: bool = True) -> None:
     _installed = True
 
 
-PLUGIN_ENTRY_POINT = "vllm_cpu_engine:install"  # vLLM calls general plugins without arguments: all four patches
+PLUGIN_ENTRY_POINT = "support.vllm_cpu_engine:install"  # vLLM calls general plugins without arguments: all four patches
 
 
 def write_plugin(root) -> str:
     """Make `install` a vLLM general plugin for processes this one starts (a vLLM server, its engine core, its TP
     workers), which the patches of this process do not reach: vLLM loads every `vllm.general_plugins` entry point in
     each of its processes. Writes a minimal distribution's metadata under `root`; returns the PYTHONPATH those
-    processes need (`root` and this directory)."""
+    processes need (`root` and tests/, which holds this package)."""
     info = Path(root) / "trl_gspo_vllm_cpu_test_engine-0.0.dist-info"
     info.mkdir(parents=True, exist_ok=True)
     (info / "METADATA").write_text("Metadata-Version: 2.1\nName: trl-gspo-vllm-cpu-test-engine\nVersion: 0.0\n")
@@ -153,7 +153,7 @@ def write_plugin(root) -> str:
     alias = Path(root) / f"vllm-{version}.dist-info"
     alias.mkdir(exist_ok=True)
     (alias / "METADATA").write_text(f"Metadata-Version: 2.1\nName: vllm\nVersion: {version}\n")
-    return f"{root}:{Path(__file__).resolve().parent}"
+    return f"{root}:{Path(__file__).resolve().parents[1]}"
 
 
 @torch.no_grad()
