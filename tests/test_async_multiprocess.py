@@ -5,6 +5,7 @@ step into micro-batches of other sizes (tests/scripts/async_multiprocess_run.py)
 third step must stop every rank there with the same error, not leave the others waiting in a collective."""
 
 import json
+import re
 import socket
 import subprocess
 import sys
@@ -31,12 +32,14 @@ def _launch(out_dir, launch_args, model_dir, nan_rank):
     result = subprocess.run(command, capture_output=True, text=True, timeout=300,
                             env=cpu_env(OMP_NUM_THREADS="1", TRL_EXPERIMENTAL_SILENCE="1"))
     assert result.returncode != 0, result.stdout[-3000:]
-    errors = [line for line in result.stdout.splitlines() if line.startswith("RANK ")]
+    # The ranks print into one pipe at the same moment: a line may start mid-line of the other rank's, so the lines
+    # are found anywhere, each ending where the next rank's begins
+    errors = re.findall(r"RANK (\d+) ERROR (.*?)(?=RANK \d+ ERROR|\n|$)", result.stdout)
     world = 2 if "--config_file" in launch_args else 1
-    assert sorted(line.split()[1] for line in errors) == [str(r) for r in range(world)], result.stderr[-3000:]
-    assert all("`old_logps` contains 1 NaN/Inf value(s)" in line and "Lower the learning rate" in line
-               for line in errors), errors
-    line = next(line for line in result.stdout.splitlines() if line.startswith("RESULT "))
+    assert sorted(rank for rank, _ in errors) == [str(r) for r in range(world)], result.stdout[-3000:]
+    assert all("`old_logps` contains 1 NaN/Inf value(s)" in message and "Lower the learning rate" in message
+               for _, message in errors), errors
+    line = next(line[line.index("RESULT "):] for line in result.stdout.splitlines() if "RESULT " in line)
     return json.loads(line[len("RESULT "):])
 
 

@@ -124,7 +124,8 @@ def main():
     try:
         trainer.train()
     except ValueError as error:
-        print(f"RANK {rank} ERROR {error}", flush=True)
+        sys.stdout.write(f"RANK {rank} ERROR {error}\n")  # one write: the other rank prints into the same pipe
+        sys.stdout.flush()
         failed = True
     else:
         failed = False
@@ -135,6 +136,8 @@ def main():
                 "routing/replay_drift", "routing/unrouted_token_fraction", "ratio", "entropy")
         print("RESULT " + json.dumps({"world_size": trainer.accelerator.num_processes, "checksum": checksum,
                                       "logs": [{k: h[k] for k in keep if k in h} for h in logs]}), flush=True)
+    # Every rank has printed before any exits: the launcher stops the other ranks as soon as one exits with an error
+    trainer.accelerator.wait_for_everyone()
     sys.exit(1 if failed else 0)
 
 
