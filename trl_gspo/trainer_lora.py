@@ -92,6 +92,8 @@ class TrainerLora:
             self.cache = None
             if generate is None:
                 vars(self.model).pop("generate", None)
+            else:  # an instance `generate` someone set before: back in place, not wrapped once more per rollout
+                self.model.generate = generate
 
     def old_policy_pass(self, model, grad_enabled: bool):
         """A context for one of TRL's log-prob passes: the experts folded for a no-grad pass of the policy within a
