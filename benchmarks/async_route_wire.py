@@ -111,7 +111,7 @@ def over_http(forms: dict[str, list[bytes]], prompts: list[list[int]], repeats: 
     from aiohttp import web
     from aiohttp.test_utils import TestServer
 
-    from trl_gspo.async_routing import _TURNS, RoutedRolloutLoop
+    from trl_gspo.async_trainer.routing import _TURNS, RoutedRolloutLoop
 
     form_of_port, times, kept = {}, {form: [] for form in forms}, {}
 

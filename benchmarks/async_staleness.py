@@ -103,7 +103,7 @@ def one_run(spec: dict) -> dict:
     from trl.experimental.async_grpo.packing import TreeRow
 
     from trl_gspo import AsyncGSPOConfig, AsyncGSPOTrainer
-    from trl_gspo.async_trainer import _VersionedRolloutCollator
+    from trl_gspo.async_trainer.trainer import _VersionedRolloutCollator
     from trl_gspo.quickstart.addition import exact_match_reward, make_rl_dataset
     from trl_gspo.routing.replay import RoutingReplay
 

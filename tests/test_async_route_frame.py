@@ -16,7 +16,7 @@ from aiohttp import web  # noqa: E402
 from aiohttp.test_utils import TestServer  # noqa: E402
 from test_vllm_routes import _npy_base64  # noqa: E402
 
-from trl_gspo.async_routing import _TURNS, RoutedRolloutLoop, stitch_turn_routes  # noqa: E402
+from trl_gspo.async_trainer.routing import _TURNS, RoutedRolloutLoop, stitch_turn_routes  # noqa: E402
 from trl_gspo.sampling import route_wire  # noqa: E402
 
 LAYERS, TOP_K = 3, 2

@@ -1,4 +1,4 @@
-"""R3 in the asynchronous trainer (trl_gspo/async_routing.py): a sequence's routes stitched from its turns, laid out in
+"""R3 in the asynchronous trainer (trl_gspo/async_trainer/routing.py): a sequence's routes stitched from its turns, laid out in
 TRL's packed order, and forced in `AsyncGSPOTrainer`'s training step. Exactness: the packed step's loss and every
 parameter's gradient equal a float64 reference that scores each sample on its own (no packing) with the same routes
 forced; the routes are random, so a position given another sample's route, or none, would show."""
@@ -19,8 +19,8 @@ from trl.experimental.async_grpo.packing import TreeRow  # noqa: E402
 from transformers import AutoModelForCausalLM  # noqa: E402
 
 from trl_gspo import AsyncGSPOConfig, AsyncGSPOTrainer  # noqa: E402
-from trl_gspo.async_routing import packed_routes, stitch_turn_routes  # noqa: E402
-from trl_gspo.async_trainer import _VersionedRolloutCollator  # noqa: E402
+from trl_gspo.async_trainer.routing import packed_routes, stitch_turn_routes  # noqa: E402
+from trl_gspo.async_trainer.trainer import _VersionedRolloutCollator  # noqa: E402
 from trl_gspo.routing.replay import RoutingReplay  # noqa: E402
 
 LAYERS, TOP_K, EXPERTS = 2, 2, 4  # the tiny Qwen3-MoE (trl_gspo/quickstart/tiny_qwen3_moe.json)

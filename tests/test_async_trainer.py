@@ -1,4 +1,4 @@
-"""`AsyncGSPOTrainer` (trl_gspo/async_trainer.py) without a server: TRL's asynchronous trainer on a CPU with the
+"""`AsyncGSPOTrainer` (trl_gspo/async_trainer/trainer.py) without a server: TRL's asynchronous trainer on a CPU with the
 test stand-ins of tests/support/async_stand_ins.py, a rollout worker that is a queue the test fills, and no weight
 transfer.
 
@@ -25,7 +25,7 @@ from trl.experimental.async_grpo.packing import TreeRow  # noqa: E402
 from transformers import AutoModelForCausalLM  # noqa: E402
 
 from trl_gspo import AsyncGSPOConfig, AsyncGSPOTrainer, GSPOConfig, GSPOTrainer  # noqa: E402
-from trl_gspo.async_trainer import _VersionedRolloutCollator  # noqa: E402
+from trl_gspo.async_trainer.trainer import _VersionedRolloutCollator  # noqa: E402
 
 EPS_LOW, EPS_HIGH = 3e-4, 4e-4
 

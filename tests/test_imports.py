@@ -19,8 +19,11 @@ PACKAGE = ROOT / "trl_gspo"
 # `from trl_gspo import ...`: the names README.md and docs/api.md show; loaded lazily (trl_gspo/__init__.py)
 PUBLIC = {"__version__", "GSPOConfig", "GSPOTrainer", "AsyncGSPOConfig", "AsyncGSPOTrainer", "gspo_loss",
           "gspo_token_loss", "sequence_log_ratio"}
-TRAINING_CODE = {"trl_gspo.launch.train", "trl_gspo.trainer", "trl_gspo.async_trainer", "trl_gspo.losses",
-                 "trl.trainer.grpo_trainer"}
+# The trainer packages' `__init__` load their trainer lazily: importing `trl_gspo.async_trainer.config` (a recipe
+# with `trainer: async`) runs `trl_gspo/async_trainer/__init__.py` and nothing more.
+TRAINING_CODE = {"trl_gspo.launch.train", "trl_gspo.trainer.gspo_trainer", "trl_gspo.async_trainer.trainer",
+                 "trl_gspo.async_trainer.routing", "trl_gspo.losses", "trl.trainer.grpo_trainer"}
+TOP_LEVEL_MODULES_AT_MOST = 8
 
 
 def _module_name(path: Path) -> str:
@@ -81,13 +84,15 @@ def test_no_import_cycle():
 
 
 def test_the_command_never_reaches_the_training_code():
-    assert not _reaches("trl_gspo.launch.cli") & {"trl_gspo.launch.train", "trl_gspo.trainer", "trl_gspo.losses"}
+    assert not _reaches("trl_gspo.launch.cli") & {"trl_gspo.launch.train", "trl_gspo.trainer.gspo_trainer",
+                                                 "trl_gspo.losses"}
 
 
 def test_recipe_checks_and_rewards_know_no_trainer_and_no_entry_point():
     for name in ("trl_gspo.launch.recipe", "trl_gspo.launch.checks", "trl_gspo.launch.rewards",
                  "trl_gspo.launch.tool_registry"):
-        assert not _reaches(name) & {"trl_gspo.launch.cli", "trl_gspo.launch.train", "trl_gspo.trainer"}, name
+        assert not _reaches(name) & {"trl_gspo.launch.cli", "trl_gspo.launch.train", "trl_gspo.trainer.gspo_trainer",
+                                     "trl_gspo.async_trainer.trainer"}, name
 
 
 def test_recipe_parsing_does_not_import_the_checks():  # the split's seam: checks read what parsing returns
@@ -96,22 +101,43 @@ def test_recipe_parsing_does_not_import_the_checks():  # the split's seam: check
 
 def test_the_library_never_imports_the_command_side():
     command_side = {name for name in MODULES if name.startswith(("trl_gspo.launch", "trl_gspo.quickstart"))}
-    for name in ("trl_gspo.losses", "trl_gspo.config", "trl_gspo.trainer", "trl_gspo.routing"):
+    for name in ("trl_gspo.losses", "trl_gspo.config", "trl_gspo.trainer.gspo_trainer", "trl_gspo.routing",
+                 "trl_gspo.async_trainer.trainer", "trl_gspo.turn_advantages"):
         assert not _reaches(name) & command_side, name
 
 
 def test_importing_the_package_the_command_or_reading_a_recipe_loads_no_training_code():
     """In a fresh interpreter: `import trl_gspo`, `import trl_gspo.launch.cli` (what the `trl-gspo` script does) and
     parsing a recipe load neither our training modules nor TRL's GRPOTrainer."""
-    recipe = str(ROOT / "recipes" / "quickstart.yaml")
-    for code in ("import trl_gspo", "import trl_gspo.launch.cli",
-                 f"from trl_gspo.launch.recipe import parse_recipe; parse_recipe(['--config', {recipe!r}])"):
+    parse = "from trl_gspo.launch.recipe import parse_recipe; parse_recipe(['--config', {!r}])"
+    recipes = [ROOT / "recipes" / "quickstart.yaml", ROOT / "recipes" / "qwen3_30b_a3b" / "async" / "gspo.yaml"]
+    for code in ("import trl_gspo", "import trl_gspo.launch.cli", *(parse.format(str(r)) for r in recipes)):
         probe = (f"import json, sys; {code}; print(json.dumps(sorted(m for m in sys.modules "
                  "if m.startswith(('trl_gspo', 'trl.trainer.grpo_trainer')))))")
         loaded = json.loads(subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True,
                                            env=cpu_env(), cwd=ROOT).stdout.splitlines()[-1])
         assert "trl_gspo" in loaded
         assert not set(loaded) & TRAINING_CODE, (code, loaded)
+
+
+def test_the_package_layout_is_the_one_docs_architecture_shows():
+    """At most `TOP_LEVEL_MODULES_AT_MOST` modules beside the packages, and docs/architecture.md names every module
+    file of the package under its folder, so the page is the tree as built."""
+    top_level = sorted(path.name for path in PACKAGE.glob("*.py"))
+    assert len(top_level) <= TOP_LEVEL_MODULES_AT_MOST, top_level
+    tree = (ROOT / "docs" / "architecture.md").read_text().split("```")[1]
+    folder, listed = "", set()
+    for line in tree.splitlines()[1:]:  # below `trl_gspo/`
+        words = line.split()
+        if line.startswith("  ") and not line.startswith("    ") and words[0].endswith("/"):
+            folder = words[0]
+            continue
+        inner = line.startswith("    ")
+        # a folder's line may list several modules; a top-level line names one, then says what it holds
+        names = [w for w in (words if inner else words[:1]) if w.endswith(".py")]
+        listed |= {(folder if inner else "") + name for name in names}
+    built = {str(path.relative_to(PACKAGE)) for path in PACKAGE.rglob("*.py")}
+    assert built == listed, (sorted(built - listed), sorted(listed - built))
 
 
 def test_the_public_api_is_what_the_docs_document():

@@ -1,5 +1,5 @@
 """LoRA adapters folded into the weights without writing the frozen base (trl_gspo/lora_merge.py), and GSPOTrainer's
-rollouts with them (trl_gspo/trainer_lora.py): bit-for-bit checks in float32 and bf16, against PEFT's active forward
+rollouts with them (trl_gspo/trainer/lora.py): bit-for-bit checks in float32 and bf16, against PEFT's active forward
 and TRL's own weight-sync stream."""
 
 import contextlib
@@ -169,7 +169,7 @@ def test_rollouts_fold_the_experts_and_change_nothing_bit_for_bit(tmp_path, toke
         blocks.append((experts_only, torch.is_grad_enabled(), cache is not None))
         return folding(model_, experts_only, cache)
 
-    monkeypatch.setattr("trl_gspo.trainer_lora.merged_adapters", watching)
+    monkeypatch.setattr("trl_gspo.trainer.lora.merged_adapters", watching)
     folded = _train(tokenizer, tmp_path / "folded", fold=True)
     assert blocks == [(True, False, True)] * 4  # per rollout: generate, then the old-policy pass
     assert sum(builds) == 2 * 4  # the experts' W + delta: 4 tensors, built once in each of the 2 rollouts

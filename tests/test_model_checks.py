@@ -10,7 +10,7 @@ from support.helpers import digit_reward, tiny_config, toy_dataset
 from test_routing import FAMILIES, _build, _config
 
 from trl_gspo import GSPOConfig, GSPOTrainer
-from trl_gspo.model_checks import aux_loss_enabled, check_moe_aux_loss, model_config
+from trl_gspo.trainer.model_checks import aux_loss_enabled, check_moe_aux_loss, model_config
 
 # The families whose config names the expert count other than `num_experts`, which TRL 1.16's aux loss reads.
 REFUSED_WITH_AUX_LOSS = {"granitemoe", "llama4"}

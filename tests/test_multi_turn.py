@@ -392,7 +392,7 @@ def test_the_tool_turn_lockstep_applies_to_the_trl_versions_read_and_measured():
     tests/test_tool_turns.py; a TRL release outside it runs its own loop unchanged."""
     import trl
 
-    from trl_gspo.tool_turns import trl_tool_loop_needs_lockstep
+    from trl_gspo.trainer.tool_lockstep import trl_tool_loop_needs_lockstep
 
     assert trl_tool_loop_needs_lockstep(trl.__version__)  # the pinned TRL (pyproject: >=1.16.0,<1.17)
     assert trl_tool_loop_needs_lockstep("1.16.0") and trl_tool_loop_needs_lockstep("1.16.3")

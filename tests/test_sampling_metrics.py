@@ -1,4 +1,4 @@
-"""Sampler/trainer mismatch metrics (trl_gspo.sampling.metrics) against an independent float64 reference written
+"""Sampler/trainer mismatch metrics (trl_gspo.sampling.mismatch) against an independent float64 reference written
 from their definitions with Python loops, over ragged masks, missing sampler log-probs and empty sequences."""
 
 import math
@@ -6,7 +6,7 @@ import math
 import pytest
 import torch
 
-from trl_gspo.sampling.metrics import finish_mismatch, mismatch_sums, sampling_metrics
+from trl_gspo.sampling.mismatch import finish_mismatch, mismatch_sums, sampling_metrics
 
 
 def reference(logps, sampler, mask, eps_low, eps_high, changed=None):
@@ -112,7 +112,7 @@ def test_route_agreement_comes_from_the_replay_counts():
 
 
 def test_sampler_drift_rule():
-    from trl_gspo.sampling.metrics import sampler_drifted
+    from trl_gspo.sampling.mismatch import sampler_drifted
 
     # a bf16 engine's round-1 gap (0.025) that stays put or grows a little is not drift; 0.424 (an engine that
     # missed its weight sync, docs/sampling.md) is; a tiny float32 gap growing to 0.02 stays under the margin
@@ -123,7 +123,7 @@ def test_sampler_drift_rule():
 
 def _round_warnings(caplog, rounds, dtypes=("bfloat16", "float32")):
     """check_sampler_round over successive rounds' gaps; the warnings logged, one list per round."""
-    from trl_gspo.sampling.metrics import check_sampler_round
+    from trl_gspo.sampling.mismatch import check_sampler_round
 
     reference, seen = None, []
     for gap in rounds:
@@ -134,7 +134,7 @@ def _round_warnings(caplog, rounds, dtypes=("bfloat16", "float32")):
 
 
 def test_a_sampler_wrong_from_the_first_round_is_announced_at_once(caplog):
-    from trl_gspo.sampling.metrics import SAMPLER_GAP_FLOOR
+    from trl_gspo.sampling.mismatch import SAMPLER_GAP_FLOOR
 
     caplog.set_level("WARNING")
     # wrong from round 1 (another checkpoint): the first round sets the drift baseline, so only the floor can see it

@@ -1,6 +1,6 @@
 """The modules the trainer delegates to, tested without building a trainer: metrics (trl_gspo/metrics.py), the
-routing glue (trl_gspo/trainer_routing.py), the rollout state of checkpoints (trl_gspo/checkpoints.py) and TRL's
-loss options (trl_gspo/trl_options.py)."""
+routing glue (trl_gspo/trainer/routing.py), the rollout state of checkpoints (trl_gspo/checkpoints.py) and TRL's
+loss options (trl_gspo/trainer/trl_options.py)."""
 
 import json
 from types import SimpleNamespace
@@ -13,8 +13,8 @@ from trl_gspo.checkpoints import (load_full_weights, restore_rollout_state, roll
                                   save_rollout_buffer)
 from trl_gspo.losses import gspo_loss
 from trl_gspo.quickstart.model import build_dense_model, build_model
-from trl_gspo.trainer_routing import TrainerRouting, routing_metrics
-from trl_gspo.trl_options import apply_trl_options
+from trl_gspo.trainer.routing import TrainerRouting, routing_metrics
+from trl_gspo.trainer.trl_options import apply_trl_options
 
 
 # ------------------------------------------------------------------------------------------------ metrics.py
@@ -45,7 +45,7 @@ def test_metric_sums_over_ranks_equal_the_whole_batch():
     assert float(whole["policy_loss"]) == pytest.approx(0.5)  # a per-rank mean over the two ranks' 0.5
 
 
-# ------------------------------------------------------------------------------------------------ trainer_routing.py
+# --------------------------------------------------------------------------------------------- trainer/routing.py
 def _args(**overrides):
     return SimpleNamespace(**{"routing_replay": "old", "routing_replay_offload": False, "temperature": 1.0,
                               "use_vllm": False, **overrides})
@@ -56,7 +56,7 @@ def test_glue_is_none_for_dense_models_and_refuses_replay_there(tokenizer):
     assert TrainerRouting.build(dense, _args(routing_replay="none"), old_pass_runs=True) is None
     with pytest.raises(ValueError, match="no MoE router"):
         TrainerRouting.build(dense, _args(), old_pass_runs=True)
-    # R3 with tools on TP 2 is no longer refused: the tool turns run in lockstep (trl_gspo/tool_turns.py)
+    # R3 with tools on TP 2 is no longer refused: the tool turns run in lockstep (trl_gspo/trainer/tool_lockstep.py)
     tool_turns_on_tp2 = _args(routing_replay="sampler", use_vllm=True, vllm_mode="colocate",
                               vllm_tensor_parallel_size=2)
     assert TrainerRouting.build(build_model(tokenizer), tool_turns_on_tp2, True) is not None
@@ -176,7 +176,7 @@ def test_reference_pass_is_told_by_the_adapter_state():
     on natural routing (tests/test_rollout_replay_trainer.py runs it in a trainer)."""
     from types import SimpleNamespace
 
-    from trl_gspo.trainer_routing import _reference_pass
+    from trl_gspo.trainer.routing import _reference_pass
 
     assert not _reference_pass(None)  # no PEFT: TRL's reference model is a separate model, never a policy pass
     assert not _reference_pass(SimpleNamespace(disable_adapters=False, active_adapters=["default"]))

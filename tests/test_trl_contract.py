@@ -36,7 +36,7 @@ from trl_gspo.config import (
     TRL_LOSS_TYPES,
 )
 from trl_gspo.quickstart.model import build_dense_model
-from trl_gspo.trainer import _FORWARD_BATCH_KEYS, runs_old_policy_pass
+from trl_gspo.trainer.gspo_trainer import _FORWARD_BATCH_KEYS, runs_old_policy_pass
 
 
 def _parameters(function) -> list[str]:
@@ -279,7 +279,7 @@ def test_trl_reward_factories_we_build_exist_with_their_parameters():
 
 
 def test_tool_loop_internals_the_lockstep_relies_on():
-    """trl_gspo/tool_turns.py overrides `_tool_call_loop` (any arguments, passed through) and `_generate_single_turn`
+    """trl_gspo/trainer/tool_lockstep.py overrides `_tool_call_loop` (any arguments, passed through) and `_generate_single_turn`
     (called positionally with these five arguments), reads the TP group and mode of TRL's `VLLMGeneration`, and sets
     `max_new_tokens` / `min_new_tokens` of the trainer's `generation_config` for an empty turn. In a tool turn TRL
     calls `_generate_single_turn(..., num_generations=1)` for the tool-calling samples only, and its vLLM generate
@@ -393,7 +393,7 @@ def test_vllm_weight_sync_stream_used_by_exact_lora_merge(tokenizer):
 
 
 # --------------------------------------------------------------------------- the asynchronous trainer
-# trl_gspo/async_trainer.py, async_routing.py, async_config.py and the test stand-ins build on TRL 1.16's
+# trl_gspo/async_trainer/ (trainer.py, routing.py, config.py) and the test stand-ins build on TRL 1.16's
 # `trl.experimental.async_grpo`, which TRL marks unstable. Its modules are imported inside the tests, so a release that
 # moves one fails the tests that use it, by name, and leaves the pins above running.
 def _async_sample(ids, mask, group_id, advantage=1.0):
@@ -700,7 +700,7 @@ def test_async_tree_attention_seam(monkeypatch):
 
 
 def _packed_order(row):
-    """The trie nodes in TRL's packed order: `TreeRow.pack` with the node ids as tokens (as trl_gspo.async_routing
+    """The trie nodes in TRL's packed order: `TreeRow.pack` with the node ids as tokens (as trl_gspo.async_trainer.routing
     packs them)."""
     tokens, row.tokens = row.tokens, list(range(len(row.tokens)))
     try:
@@ -762,7 +762,7 @@ def test_async_rollout_queue_dataset_reader():
     from trl.experimental.async_grpo.async_grpo_trainer import RolloutQueueDataset
     from trl.experimental.async_grpo.async_rollout_worker import RolloutSample
 
-    from trl_gspo.async_trainer import _RecordingQueue
+    from trl_gspo.async_trainer.trainer import _RecordingQueue
 
     assert _parameters(RolloutQueueDataset.__init__) == [
         "self", "rollout_queue", "model_version_fn", "check_health_fn", "stale_after_s", "metrics", "max_staleness",
@@ -807,7 +807,7 @@ def test_async_batchers_and_empty_dataset():
 
 
 def test_async_tree_row_fields_and_pack():
-    """trl_gspo.async_routing.packed_routes reads `TreeRow.tokens`, `sample_nodes`, `samples` and packs the node ids in
+    """trl_gspo.async_trainer.routing.packed_routes reads `TreeRow.tokens`, `sample_nodes`, `samples` and packs the node ids in
     place of the tokens to learn the packed order: `pack()` lays `tokens` out by node, so the packed `input_ids` are
     the tokens in that order. `segment_id` numbers the row's samples in `samples` order (the collator's
     `segment_version`), and each target's label sits at its `token_index`."""
@@ -972,7 +972,7 @@ def test_async_score_group_keeps_sequence_order():
 
 
 def test_async_common_prefix_len():
-    """trl_gspo.async_routing.stitch_turn_routes calls TRL's `_common_prefix_len(a, b)` (the rollout worker's drift
+    """trl_gspo.async_trainer.routing.stitch_turn_routes calls TRL's `_common_prefix_len(a, b)` (the rollout worker's drift
     check): the number of equal leading tokens."""
     from trl.experimental.async_grpo.async_rollout_worker import _common_prefix_len
 

@@ -1,4 +1,4 @@
-"""Per-turn advantages with GSPO-token (trl_gspo/multi_turn.py): turn indices and tool spans on hand-written masks,
+"""Per-turn advantages with GSPO-token (trl_gspo/turn_advantages.py): turn indices and tool spans on hand-written masks,
 the per-turn advantage reaching each turn's gradient exactly (against a float64 reference written from the paper,
 arXiv 2507.18071 Eq. 13-14), failed tool calls found in the tool results, and the example trainer, by hand and inside
 TRL's own tool loop."""
@@ -11,7 +11,7 @@ import torch
 from support.helpers import digit_reward, tiny_config, toy_dataset
 
 from trl_gspo.losses import gspo_loss, gspo_token_loss, masked_sequence_mean
-from trl_gspo.multi_turn import (ToolCreditGSPOTrainer, ToolSpan, failed_tool_turns, per_turn_advantages,
+from trl_gspo.turn_advantages import (ToolCreditGSPOTrainer, ToolSpan, failed_tool_turns, per_turn_advantages,
                                  tool_result_spans, turn_index)
 from trl_gspo.quickstart.model import build_dense_model, build_model
 from trl_gspo.quickstart.tools import add, build_tool_tokenizer, make_tool_rl_dataset, tool_answer_reward

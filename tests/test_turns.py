@@ -1,4 +1,4 @@
-"""Route stitching across the turns of a tool-calling rollout (trl_gspo/routing/turns.py): each token's route comes
+"""Route stitching across the turns of a tool-calling rollout (trl_gspo/routing/stitching.py): each token's route comes
 from the forward that first computed it. Routes here encode (call, position), so every expectation below says, by
 hand, which call each token's route must come from."""
 
@@ -7,7 +7,7 @@ import torch
 
 from trl_gspo.routing import RoutingReplayError
 from trl_gspo.routing.rollout import SampledRoutes, no_route
-from trl_gspo.routing.turns import SamplerCall, stitch_turns
+from trl_gspo.routing.stitching import SamplerCall, stitch_turns
 
 NONE = no_route(torch.uint8)
 

@@ -201,7 +201,7 @@ def test_a_sampler_wrong_from_the_first_round_is_announced_in_that_round(tmp_pat
     """An engine serving another checkpoint from the start (no weight sync reaches it) sets the first round's gap
     itself, so the drift check, which compares rounds with the first, cannot see it; the absolute floor does, in
     round 1, naming the figure and both dtypes (measured: 0.89 nats, route agreement 0.19)."""
-    from trl_gspo.sampling.metrics import SAMPLER_GAP_FLOOR
+    from trl_gspo.sampling.mismatch import SAMPLER_GAP_FLOOR
 
     result = _run(tmp_path, routing_replay="sampler", max_steps=8, learning_rate=5e-2,
                   routing_replay_min_agreement=0.0, engine="other_checkpoint")

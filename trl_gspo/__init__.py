@@ -8,10 +8,10 @@ from importlib import import_module
 __version__ = "0.1.0"
 
 _LAZY = {
-    "AsyncGSPOConfig": "trl_gspo.async_config",
-    "AsyncGSPOTrainer": "trl_gspo.async_trainer",
+    "AsyncGSPOConfig": "trl_gspo.async_trainer.config",
+    "AsyncGSPOTrainer": "trl_gspo.async_trainer.trainer",
     "GSPOConfig": "trl_gspo.config",
-    "GSPOTrainer": "trl_gspo.trainer",
+    "GSPOTrainer": "trl_gspo.trainer.gspo_trainer",
     "gspo_loss": "trl_gspo.losses",
     "gspo_token_loss": "trl_gspo.losses",
     "sequence_log_ratio": "trl_gspo.losses",

@@ -7,7 +7,8 @@ A checkpoint is written file by file (model, optimizer, scheduler, RNG states, t
 `GSPOTrainer` makes `trainer_state.json` the completion mark for every rank (all ranks finish their files before
 rank 0 writes it) and resumes from the newest complete checkpoint, naming each one it skips.
 
-Knows no trainer: pure file-system functions plus the rollout-buffer file format.
+The file-system side (`list_checkpoints` .. `has_full_weights`) knows no trainer: the CLI checks a resume with it
+before anything loads. `CheckpointMixin` wires it into `GSPOTrainer` and imports transformers only when it runs.
 """
 
 from __future__ import annotations
@@ -224,3 +225,48 @@ def load_full_weights(model, checkpoint: str) -> None:
 def has_full_weights(checkpoint: str) -> bool:
     return any(os.path.isfile(os.path.join(checkpoint, name))
                for name in ("model.safetensors", "model.safetensors.index.json"))
+
+
+class CheckpointMixin:
+    """Mixed into `GSPOTrainer` before TRL's `GRPOTrainer`: each method extends the `Trainer` method of its name."""
+
+    def train(self, resume_from_checkpoint=None, *args, **kwargs):
+        """`Trainer.train`; `resume_from_checkpoint` may also be `"true"` / `"latest"` (the newest *complete*
+        checkpoint in `output_dir`, skipping incomplete ones with a warning naming each). A resume in the middle of a
+        rollout batch continues on the saved rollout batch, so it trains exactly as the uninterrupted run."""
+        from transformers.utils import logging as hf_logging
+
+        hf_logger = hf_logging.get_logger(__name__)  # adds `warning_once`
+        warn = hf_logger.warning if self.accelerator.is_main_process else (lambda message: None)
+        checkpoint = resolve_resume_from_checkpoint(resume_from_checkpoint, self.args.output_dir, warn=warn)
+        if checkpoint is not None:
+            restored = restore_rollout_state(checkpoint, self.args, self.num_iterations, self.accelerator.device,
+                                             warn=hf_logger.warning_once)
+            if restored is not None:
+                self._step, self._buffered_inputs = restored  # TRL's micro-step counter and rollout mini-batches
+        return super().train(checkpoint, *args, **kwargs)
+
+    def _save_rng_state(self, output_dir: str) -> None:
+        super()._save_rng_state(output_dir)
+        save_rollout_buffer(rollout_buffer_path(output_dir, self.args.process_index), self._step,
+                            self._buffered_inputs, rollout_layout(self.args, self.num_iterations))
+        # trainer_state.json, written next by rank 0, marks the checkpoint complete: every rank's files come first.
+        self.accelerator.wait_for_everyone()
+
+    def _save_checkpoint(self, model, trial) -> None:
+        # Re-saving over a partial checkpoint of the same step: drop its old completion mark first.
+        stale = os.path.join(self._get_output_dir(trial=trial), f"checkpoint-{self.state.global_step}", TRAINER_STATE)
+        if self.args.should_save and os.path.isfile(stale):
+            os.remove(stale)
+        super()._save_checkpoint(model, trial)
+
+    def _load_from_checkpoint(self, resume_from_checkpoint, model=None):
+        """Resume full-model weights through `from_pretrained` (`load_full_weights`: transformers' own resume
+        silently skips fused MoE experts). PEFT, DeepSpeed and FSDP checkpoints keep TRL's path."""
+        from transformers import PreTrainedModel
+
+        model = self.model if model is None else model
+        if (not isinstance(model, PreTrainedModel) or not has_full_weights(resume_from_checkpoint)
+                or self.is_deepspeed_enabled or self.is_fsdp_enabled):
+            return super()._load_from_checkpoint(resume_from_checkpoint, model)
+        load_full_weights(model, resume_from_checkpoint)

@@ -32,7 +32,7 @@ from datasets import Dataset  # noqa: E402
 from transformers import AutoTokenizer  # noqa: E402
 
 from trl_gspo import AsyncGSPOConfig, AsyncGSPOTrainer  # noqa: E402
-from trl_gspo.async_routing import RoutedRolloutSample  # noqa: E402
+from trl_gspo.async_trainer.routing import RoutedRolloutSample  # noqa: E402
 
 SAMPLES_PER_STEP = 8
 # Completions per rank in each micro-batch of an optimizer step, by process count.
@@ -94,7 +94,7 @@ def main():
     options = parser.parse_args()
     import trl_gspo.async_trainer
 
-    trl_gspo.async_trainer.FixedCountBatcher = PlannedBatcher
+    trl_gspo.async_trainer.trainer.FixedCountBatcher = PlannedBatcher
     processes = int(os.environ.get("WORLD_SIZE", "1"))  # set by accelerate launch (before any process group exists)
     tokenizer = AutoTokenizer.from_pretrained(options.model_dir)
     tokenizer.padding_side = "left"

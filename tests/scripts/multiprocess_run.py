@@ -108,13 +108,13 @@ if cli.lora:
 
     peft_config = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"],
                              target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"])
-folds = []  # with --lora: each block with the adapters folded (trl_gspo/trainer_lora.py), by pass
+folds = []  # with --lora: each block with the adapters folded (trl_gspo/trainer/lora.py), by pass
 if cli.lora:
-    import trl_gspo.trainer_lora as trainer_lora
+    import trl_gspo.trainer.lora as trainer_lora
 
     folding = trainer_lora.merged_adapters
 
-    def counting(model_, experts_only=False, cache=None):  # named after its caller in trl_gspo/trainer_lora.py
+    def counting(model_, experts_only=False, cache=None):  # named after its caller in trl_gspo/trainer/lora.py
         folds.append("generate" if sys._getframe(1).f_code.co_name == "folded_generate" else "old_pass")
         return folding(model_, experts_only, cache)
 

@@ -96,7 +96,7 @@ class GSPOScriptArguments(GRPOScriptArguments):
     failed_tool_credit: float | None = field(
         default=None,
         metadata={
-            "help": "Train with `trl_gspo.multi_turn.ToolCreditGSPOTrainer`: this credit (e.g. -0.5) is added to the "
+            "help": "Train with `trl_gspo.turn_advantages.ToolCreditGSPOTrainer`: this credit (e.g. -0.5) is added to the "
             "advantage of the tokens of a turn whose tool call failed. Needs loss_type: gspo_token and tools."
         },
     )
@@ -130,7 +130,7 @@ def config_class(asynchronous: bool, before_launch: bool = False) -> type:
     """The training config a recipe's keys fill: `GSPOConfig`, or `AsyncGSPOConfig` for `trainer: async`."""
     if not asynchronous:
         return _BeforeLaunchGSPOConfig if before_launch else GSPOConfig
-    from ..async_config import AsyncGSPOConfig
+    from ..async_trainer.config import AsyncGSPOConfig
 
     return type("_BeforeLaunchAsyncGSPOConfig", (_BeforeLaunch, AsyncGSPOConfig), {}) if before_launch \
         else AsyncGSPOConfig

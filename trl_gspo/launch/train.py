@@ -165,7 +165,7 @@ def run(script_args, training_args, model_args, dataset_args) -> "GSPOTrainer": 
 
     trainer_class, credit = GSPOTrainer, {}
     if script_args.failed_tool_credit is not None:  # per-turn credit for failed tool calls (gspo_token only)
-        from ..multi_turn import ToolCreditGSPOTrainer
+        from ..turn_advantages import ToolCreditGSPOTrainer
 
         trainer_class, credit = ToolCreditGSPOTrainer, {"failed_tool_credit": script_args.failed_tool_credit}
     trainer = trainer_class(

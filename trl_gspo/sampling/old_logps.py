@@ -27,7 +27,7 @@ import math
 import torch
 from transformers.utils import logging
 
-from .metrics import mismatch_sums, reduce_mismatch
+from .mismatch import mismatch_sums, reduce_mismatch
 
 logger = logging.get_logger(__name__)
 

@@ -27,9 +27,9 @@ import numpy as np
 import torch
 from trl.experimental.async_grpo.async_rollout_worker import RolloutSample, _AsyncRolloutLoop, _common_prefix_len
 
-from .sampling.route_wire import CONTENT_TYPE, HEADER, Frame, receive_buffer
-from .sampling.routes import decode_server_routes
-from .sampling.server import FramedRoute, framed_completions_answer, json_completions_answer
+from ..sampling.route_wire import CONTENT_TYPE, HEADER, Frame, receive_buffer
+from ..sampling.routes import decode_server_routes
+from ..sampling.server import FramedRoute, framed_completions_answer, json_completions_answer
 
 # The current conversation's turns as the server answered them: (prompt ids, output ids, routes or None).
 _TURNS: contextvars.ContextVar[list | None] = contextvars.ContextVar("trl_gspo_async_turns", default=None)

@@ -17,7 +17,7 @@ band against the trainer's own weights, the sampler's distance as a capped seque
 policy when trained): `gspo/clipped_sequence_fraction/age_K`. `loss_type="grpo"` is TRL's own loss, untouched.
 
 `routing_replay="sampler"` (R3) forces, in the training forward, the experts each token used where the server
-sampled it (trl_gspo/async_routing.py).
+sampled it (trl_gspo/async_trainer/routing.py).
 
 Everything else is TRL's: the rollout worker, staleness dropping, packing, weight transfer, checkpoints and resume.
 """
@@ -42,14 +42,14 @@ from trl.experimental.async_grpo.async_grpo_trainer import (
 )
 from trl.trainer.utils import pad
 
-from . import metrics as gspo_metrics
-from .async_config import AsyncGSPOConfig
-from .async_routing import RoutedRolloutLoop, packed_routes
-from .config import GSPO_LOSS_TYPES, default_output_dir
-from .lora_merge import exact_sync_stream, merge_calls_skipped
-from .losses import gspo_packed_loss, nonfinite_counts, raise_if_nonfinite, unpack_segments
-from .routing.replay import RoutingReplay
-from .trainer_lora import exact_sync_model
+from .. import metrics as gspo_metrics
+from .config import AsyncGSPOConfig
+from .routing import RoutedRolloutLoop, packed_routes
+from ..config import GSPO_LOSS_TYPES, default_output_dir
+from ..lora_merge import exact_sync_stream, merge_calls_skipped
+from ..losses import gspo_packed_loss, nonfinite_counts, raise_if_nonfinite, unpack_segments
+from ..routing.replay import RoutingReplay
+from ..trainer.lora import exact_sync_model
 
 
 # The count each logged mean is taken over (the rest are extremes, spreads or per-rank gauges).
@@ -96,7 +96,7 @@ class _VersionedRolloutQueueDataset(RolloutQueueDataset):
     def __iter__(self):
         for item in super().__iter__():
             item["model_version"] = self.queue.last.model_version
-            item["routes"] = getattr(self.queue.last, "routes", None)  # RoutedRolloutSample (async_routing.py)
+            item["routes"] = getattr(self.queue.last, "routes", None)  # RoutedRolloutSample (routing.py)
             yield item
 
 
@@ -145,7 +145,7 @@ class AsyncGSPOTrainer(AsyncGRPOTrainer):
         self._policy_version = 0  # the weight version the policy holds, on every rank (`_sync_weight`)
         self._step_completions = None  # the optimizer step's completions over every rank (`get_batch_samples`)
         super().__init__(model, reward_funcs, args, *pargs, **kwargs)
-        self._exact_lora = exact_sync_model(self)  # LoRA synced as W + delta out of place (trainer_lora.py), or None
+        self._exact_lora = exact_sync_model(self)  # LoRA synced as W + delta out of place (trl_gspo/trainer/lora.py), or None
         self._routing = None
         if args.routing_replay == "sampler":
             self._routing = RoutingReplay(self.accelerator.unwrap_model(self.model))  # refuses a dense model

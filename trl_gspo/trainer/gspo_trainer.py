@@ -11,11 +11,11 @@ import torch
 from transformers.utils import logging
 from trl import GRPOTrainer
 
-from . import metrics as gspo_metrics
-from .config import (DEFAULT_MIN_ROUTE_AGREEMENT, DEFAULT_SERVER_STALL_TIMEOUT, GSPO_LOSS_TYPES, PAPER_EPSILON_HIGH,
+from .. import metrics as gspo_metrics
+from ..config import (DEFAULT_MIN_ROUTE_AGREEMENT, DEFAULT_SERVER_STALL_TIMEOUT, GSPO_LOSS_TYPES, PAPER_EPSILON_HIGH,
                      PAPER_EPSILON_LOW, GSPOConfig, default_output_dir, refuse_unused_token_advantages,
                      runs_old_policy_pass, setup_summary, validate_gspo_args, warn_about_setup)
-from .losses import (
+from ..losses import (
     adaptive_entropy_coef,
     applied_entropy_coef,
     entropy_window_stats,
@@ -27,15 +27,15 @@ from .losses import (
     raise_if_nonfinite,
 )
 from .model_checks import check_model
-from .sampling.engine import check_sampler_at_start, engine_options, trainer_engine_options
-from .sampling.metrics import SamplerWatch, log_turns, sampling_metrics
-from .sampling.old_logps import SamplerOldLogps
-from .sampling.routes import capture_routes
-from .sampling.server import server_failures
-from .trainer_checkpoints import CheckpointMixin
-from .trainer_lora import TrainerLora
-from .tool_turns import ToolTurnsMixin
-from .trainer_routing import TrainerRouting, _first_adapter_layer, _reference_pass
+from ..sampling.engine import check_sampler_at_start, engine_options, trainer_engine_options
+from ..sampling.mismatch import SamplerWatch, log_turns, sampling_metrics
+from ..sampling.old_logps import SamplerOldLogps
+from ..sampling.routes import capture_routes
+from ..sampling.server import server_failures
+from ..checkpoints import CheckpointMixin
+from .lora import TrainerLora
+from .tool_lockstep import ToolTurnsMixin
+from .routing import TrainerRouting, _first_adapter_layer, _reference_pass
 from .trl_options import apply_trl_options
 
 logger = logging.get_logger(__name__)  # transformers' logger: adds `warning_once`
@@ -71,7 +71,7 @@ class GSPOTrainer(CheckpointMixin, ToolTurnsMixin, GRPOTrainer):
         validate_gspo_args(args)
         refuse_unused_token_advantages(type(self).token_advantages is not GSPOTrainer.token_advantages,
                                        type(self).__name__, args.loss_type)
-        check_model(model, args)  # trl_gspo/model_checks.py: unsupported architectures fail here, not mid-step
+        check_model(model, args)  # trl_gspo/trainer/model_checks.py: unsupported architectures fail here, not mid-step
         if args.loss_type in GSPO_LOSS_TYPES:
             warn_about_setup(args)
         with engine_options(**trainer_engine_options(args)) if args.use_vllm else contextlib.nullcontext():
@@ -91,7 +91,7 @@ class GSPOTrainer(CheckpointMixin, ToolTurnsMixin, GRPOTrainer):
             log = logger.warning if getattr(self.args, "paper_presets", None) else logger.info
             log(setup_summary(self.args, self.accelerator.num_processes))
 
-    # ------------------------------------------------------------------ MoE routing (trl_gspo/trainer_routing.py)
+    # ------------------------------------------------------------------ MoE routing (trl_gspo/trainer/routing.py)
     def _clip_band(self):  # "outside the clip band" for any loss type: GSPO's band for TRL's own types
         return ((self.epsilon_low, self.epsilon_high) if self.loss_type in GSPO_LOSS_TYPES
                 else (PAPER_EPSILON_LOW, PAPER_EPSILON_HIGH))
@@ -99,7 +99,7 @@ class GSPOTrainer(CheckpointMixin, ToolTurnsMixin, GRPOTrainer):
     def _generate_and_score_completions(self, inputs):
         if self._lora is None:
             return self._generate_and_score_round(inputs)
-        with self._lora.rollout():  # generation and the old-policy pass with the adapters folded (trainer_lora.py)
+        with self._lora.rollout():  # generation and the old-policy pass with the adapters folded (lora.py)
             return self._generate_and_score_round(inputs)
 
     def _generate_and_score_round(self, inputs):
@@ -135,7 +135,7 @@ class GSPOTrainer(CheckpointMixin, ToolTurnsMixin, GRPOTrainer):
                 contextlib.nullcontext()):
             if self._routing is None:
                 return super()._generate_single_turn(*args, **kwargs)
-            # vLLM: a lockstep tool turn says how the group's results were split (trl_gspo/tool_turns.py)
+            # vLLM: a lockstep tool turn says how the group's results were split (trl_gspo/trainer/tool_lockstep.py)
             target = (functools.partial(capture_routes, self.vllm_generation, self.accelerator,
                                         lambda: self._turn_split) if self.use_vllm else
                       lambda: self.accelerator.unwrap_model(self.model_wrapped))

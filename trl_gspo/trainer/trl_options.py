@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 from trl import GRPOTrainer
 
-from .losses import k3_kl, sequence_log_ratio
+from ..losses import k3_kl, sequence_log_ratio
 
 
 def apply_trl_options(trainer, inputs: dict, per_token_loss, logps, old_logps, entropies, mask):

@@ -18,8 +18,8 @@ import contextlib
 import torch
 from transformers.utils import logging
 
-from .lora_merge import adapter_targets, exact_sync_stream, merged_adapters, model_is_whole, unmergeable_layers
-from .trainer_routing import _first_adapter_layer, _reference_pass
+from ..lora_merge import adapter_targets, exact_sync_stream, merged_adapters, model_is_whole, unmergeable_layers
+from .routing import _first_adapter_layer, _reference_pass
 
 logger = logging.get_logger(__name__)
 

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 
 from trl.experimental.async_grpo import AsyncGRPOConfig
 
-from .config import GSPO_LOSS_TYPES, _check_types, check_clip_band, fill_presets
+from ..config import GSPO_LOSS_TYPES, _check_types, check_clip_band, fill_presets
 
 # "grpo": TRL's asynchronous loss as it ships (token-level clipped ratio, mean over the micro-batch's tokens).
 ASYNC_LOSS_TYPES = (*GSPO_LOSS_TYPES, "grpo")
@@ -50,7 +50,7 @@ class AsyncGSPOConfig(AsyncGRPOConfig):
         default="none",
         metadata={"help": "'none', or 'sampler' (R3): force, in the training forward, the experts each token used "
                           "where the vLLM server sampled it. Needs a Mixture-of-Experts model and a server started with "
-                          "`trl-gspo vllm-serve`, which returns them (trl_gspo/async_routing.py)."},
+                          "`trl-gspo vllm-serve`, which returns them (trl_gspo/async_trainer/routing.py)."},
     )
     delta: float | None = field(
         default=None,

@@ -23,11 +23,11 @@ import contextlib
 import torch
 from transformers.utils import logging
 
-from .routing import RoutingReplay, RoutingReplayError, drift_statistics, find_routers, route_changes
-from .routing.rollout import (SampledRoutes, check_sampled_routes, has_route, pad_routes_like, record_generation,
+from ..routing import RoutingReplay, RoutingReplayError, drift_statistics, find_routers, route_changes
+from ..routing.rollout import (SampledRoutes, check_sampled_routes, has_route, pad_routes_like, record_generation,
                               route_dtype, wrapping_method)
-from .routing.turns import SamplerCall, stitch_turns
-from .sampling.routes import routes_from_rollout_func
+from ..routing.stitching import SamplerCall, stitch_turns
+from ..sampling.routes import routes_from_rollout_func
 
 logger = logging.get_logger(__name__)
 
@@ -61,7 +61,7 @@ class TrainerRouting:
         """Routing for `model` (unwrapped, PEFT base model). None when there is nothing to measure; raises
         `ValueError` when replay was asked for and cannot work. A tool loop's sampler routes are stitched across
         turns (`end_sampling`) in every layout: where TRL would slice a turn's results over processes, the turns run
-        in lockstep (`trl_gspo.tool_turns`)."""
+        in lockstep (`trl_gspo.trainer.tool_lockstep`)."""
         mode = getattr(args, "routing_replay", "none")
         if not find_routers(model):
             if mode != "none":
@@ -129,7 +129,7 @@ class TrainerRouting:
         with wrapping_method(target(), "generate", capturing):
             with record_generation(self.replay, self.temperature) as recording:
                 def finish(prompt_ids, completion_ids, logprobs):
-                    if not completion_ids:  # an empty tool turn (trl_gspo.tool_turns): nothing of this rank's
+                    if not completion_ids:  # an empty tool turn (trl_gspo.trainer.tool_lockstep): nothing of this rank's
                         return []
                     if "sequences" not in captured:
                         raise RuntimeError("routing_replay='sampler': TRL generated without calling the model's "
@@ -144,7 +144,7 @@ class TrainerRouting:
 
     def _keep(self, prompt_ids, completion_ids, sampled: SampledRoutes, source: str) -> None:
         """Validate one generate call's routes (before anything replays them) and keep them for the round."""
-        if not completion_ids:  # an empty tool turn of this rank (trl_gspo.tool_turns): no call to stitch
+        if not completion_ids:  # an empty tool turn of this rank (trl_gspo.trainer.tool_lockstep): no call to stitch
             return
         check_sampled_routes(sampled, self.replay.num_experts, self.replay.top_k, source)
         self._calls.append(SamplerCall([list(ids) for ids in prompt_ids], [list(ids) for ids in completion_ids],
@@ -152,7 +152,7 @@ class TrainerRouting:
 
     def end_sampling(self, prompt_ids, completion_ids, extra_fields: dict) -> None:
         """After TRL's rollout (`_generate`): one route per token of each sample's final `prompt | completion`
-        (TRL's unpadded token lists), stitched across the turns of a tool loop (`trl_gspo.routing.turns`), or read
+        (TRL's unpadded token lists), stitched across the turns of a tool loop (`trl_gspo.routing.stitching`), or read
         from a rollout_func's `routed_experts` (taken out of `extra_fields`, so reward functions never see them)."""
         rollout_routes = extra_fields.pop(ROLLOUT_ROUTES_KEY, None)
         if rollout_routes is not None and self.mode != "sampler":

@@ -27,7 +27,7 @@ from typing import NamedTuple
 
 import torch
 
-from .trainer import GSPOTrainer
+from .trainer.gspo_trainer import GSPOTrainer
 
 __all__ = [
     "ToolSpan",

@@ -1,0 +1,19 @@
+"""The asynchronous trainer: `AsyncGSPOTrainer` (TRL's `AsyncGRPOTrainer` with GSPO's loss) and its parts.
+
+    trainer.py   `AsyncGSPOTrainer`: the loss on TRL's packed rows, weighting per optimizer step, metrics
+    config.py    `AsyncGSPOConfig`, loadable without any training code (reading a recipe loads only this)
+    routing.py   R3 from a vLLM server: routes through TRL's rollout worker into the packed rows
+
+Both names load on first use.
+"""
+
+from importlib import import_module
+
+__all__ = ["AsyncGSPOConfig", "AsyncGSPOTrainer"]
+_HOMES = {"AsyncGSPOConfig": ".config", "AsyncGSPOTrainer": ".trainer"}
+
+
+def __getattr__(name):
+    if name in _HOMES:
+        return getattr(import_module(_HOMES[name], __name__), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
