@@ -2,12 +2,14 @@
 from the forward that first computed it. Routes here encode (call, position), so every expectation below says, by
 hand, which call each token's route must come from."""
 
+import random
+
 import pytest
 import torch
 
 from trl_gspo.routing import RoutingReplayError
 from trl_gspo.routing.rollout import SampledRoutes, no_route
-from trl_gspo.routing.stitching import SamplerCall, stitch_turns
+from trl_gspo.routing.stitching import SamplerCall, first_computation_spans, stitch_turns
 
 NONE = no_route(torch.uint8)
 
@@ -112,3 +114,27 @@ def test_one_call_gives_the_single_turn_layout():
     for i in range(3):
         assert torch.equal(stitched.prompt_routes[i], call.routes.prompt_routes[i])
         assert torch.equal(stitched.completion_routes[i], call.routes.completion_routes[i])
+
+
+def test_first_computation_spans_match_a_position_by_position_reference():
+    """The rule both trainers stitch with: position p (of the positions that have a route) takes the first turn
+    whose tokens up to p are the sequence's and that routes p; checked against that definition, position by position,
+    on random turns that extend, diverge from and trim the sequence."""
+    rng = random.Random(0)
+    for _ in range(300):
+        sequence = [rng.randrange(3) for _ in range(rng.randrange(1, 12))]
+        turns = []
+        for _ in range(rng.randrange(1, 5)):
+            cut = rng.randrange(len(sequence) + 1)
+            turns.append(sequence[:cut] + [rng.randrange(3) for _ in range(rng.randrange(0, 4))])
+        expected = []
+        for p in range(len(sequence) - 1):
+            owner = next((k for k, tokens in enumerate(turns)
+                          if p < len(tokens) - 1 and tokens[:p + 1] == sequence[:p + 1]), None)
+            if owner is None:
+                break
+            expected.append(owner)
+        spans = first_computation_spans(sequence, turns)
+        got = [k for k, start, stop in spans for _ in range(start, stop)]
+        assert [start for _, start, _ in spans] == [0, *(stop for _, _, stop in spans)][:len(spans)]  # in order
+        assert got == expected, (sequence, turns, spans)

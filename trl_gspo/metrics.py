@@ -1,15 +1,22 @@
-"""The gspo loss's logged metrics as pure functions of tensors (docs/metrics.md). Sync-free: every value stays on the
-device; the caller reduces the sums over ranks (one `reduce`), gathers the per-sequence values (one `gather`) and
-reads the result to the host once. Knows no trainer and no TRL.
+"""The gspo loss's logged metrics (docs/metrics.md), for both trainers. The pure functions are sync-free: every value
+stays on the device; the sums are reduced over ranks (one `reduce`), the per-sequence values gathered (one `gather`)
+and the result read to the host once. Knows no trainer and no TRL; `read_to_host` takes an accelerate `Accelerator`.
 
     sums = metric_sums(out, mask, entropies, policy_loss, per_token_kl, aux_loss, delta_clipped)
     per_sequence = per_sequence_values(out, mask)
     values = finish(reduce(sums), gather(per_sequence))      # dict name -> 0-d tensor
+
+`read_to_host` does those three steps and the host read, with the loss inputs' NaN/Inf counts in the same reduce.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
 import torch
+
+from .losses import raise_if_nonfinite
 
 
 def metric_sums(out, mask, entropies, policy_loss, per_token_kl=None, aux_loss=None, with_delta=False) -> dict:
@@ -80,3 +87,54 @@ def finish(totals: dict, per_sequence: torch.Tensor, present: torch.Tensor | Non
     if "delta_clipped" in totals:
         values["gspo/delta_clipped_token_fraction"] = totals["delta_clipped"] / tokens
     return values
+
+
+@dataclass
+class HostMetrics:
+    """What `read_to_host` read: the metric values (`finish`'s names) and the counts they are means over, each summed
+    over every rank; the caller's extra sums, reduced; the caller's statistics of the gathered rows."""
+
+    values: dict[str, float]
+    tokens: float
+    completions: float
+    nonempty: float
+    extra_sums: list[float] = field(default_factory=list)
+    row_stats: list[float] = field(default_factory=list)
+
+
+def read_to_host(accelerator, out, mask, entropies, policy_loss, nonfinite, *, per_token_kl=None, aux_loss=None,
+                 with_delta=False, extra_sums=None, extra_columns=None, ranks_differ=False,
+                 row_stats: Callable | None = None) -> HostMetrics:
+    """One reduce (the metric sums, the NaN/Inf counts `nonfinite` of the loss inputs and the caller's `extra_sums`),
+    one gather (the per-sequence rows, with the caller's `extra_columns` appended), one host read; then
+    `raise_if_nonfinite`, on every rank at once since the counts were summed. `ranks_differ`: ranks hold different
+    numbers of sequences, so rows are padded with NaN for the gather (accelerate's `pad_across_processes`, one more
+    small collective) and left out by `finish`'s `present`. `row_stats(rows, present)` computes more values from the
+    gathered rows on the device, read in the same host read."""
+    sums = metric_sums(out, mask, entropies, policy_loss, per_token_kl, aux_loss, with_delta=with_delta)
+    device = mask.device
+    extra = torch.zeros(0, device=device) if extra_sums is None else extra_sums.float().flatten()
+    reduced = accelerator.reduce(torch.cat([nonfinite.float(), torch.stack(list(sums.values())), extra]),
+                                 reduction="sum")
+    totals = dict(zip(sums, reduced[3:3 + len(sums)]))
+    rows = per_sequence_values(out, mask)
+    if extra_columns is not None:
+        rows = torch.cat([rows, extra_columns.float()], 1)
+    present = None
+    if ranks_differ:  # column 0 (low-clipped, 0 or 1) is never NaN in a real row
+        rows = accelerator.gather(accelerator.pad_across_processes(rows, dim=0, pad_index=float("nan")))
+        present = ~rows[:, 0].isnan()
+    else:
+        rows = accelerator.gather(rows)
+    values = finish(totals, rows, present)
+    real = torch.ones(rows.shape[0], dtype=torch.bool, device=rows.device) if present is None else present
+    counts = torch.stack([totals["tokens"], real.sum().float(), (real & (rows[:, 4] > 0)).sum().float()])
+    stats = torch.zeros(0, device=rows.device) if row_stats is None else row_stats(rows, real)
+    host = torch.cat([reduced[:3], counts, torch.stack(list(values.values())).float(), reduced[3 + len(sums):],
+                      stats.float()]).tolist()  # the one sync
+    raise_if_nonfinite(host[:3])
+    tokens, completions, nonempty = host[3:6]
+    host = host[6:]
+    named = dict(zip(values, host))
+    host = host[len(values):]
+    return HostMetrics(named, tokens, completions, nonempty, host[:len(extra)], host[len(extra):])

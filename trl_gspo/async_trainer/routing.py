@@ -25,8 +25,9 @@ from dataclasses import dataclass, fields
 
 import numpy as np
 import torch
-from trl.experimental.async_grpo.async_rollout_worker import RolloutSample, _AsyncRolloutLoop, _common_prefix_len
+from trl.experimental.async_grpo.async_rollout_worker import RolloutSample, _AsyncRolloutLoop
 
+from ..routing.stitching import first_computation_spans
 from ..sampling.route_wire import CONTENT_TYPE, HEADER, Frame, receive_buffer
 from ..sampling.routes import decode_server_routes
 from ..sampling.server import FramedRoute, framed_completions_answer, json_completions_answer
@@ -52,23 +53,18 @@ def stitch_turn_routes(input_ids: list[int], turns: list[tuple[list[int], list[i
     need = len(input_ids) - 1
     if need <= 0:
         return None
-    stitched, filled = None, 0
     for prompt, output, routes in turns:
         if routes is None:
             return None
-        tokens = list(prompt) + list(output)
-        if routes.shape[0] != len(tokens) - 1:
+        if routes.shape[0] != len(prompt) + len(output) - 1:
             raise ValueError(f"routing_replay='sampler': the server's routed_experts has {routes.shape[0]} rows for "
-                             f"{len(tokens)} tokens ({len(tokens) - 1} expected). Cause: a server whose routes do not "
-                             "belong to its answer's tokens (a vLLM outside trl-gspo's tested range).")
-        # Position p's route depends on tokens 0..p; it is valid for the sequence where those match.
-        reach = min(_common_prefix_len(tokens, list(input_ids)), routes.shape[0], need)
-        if reach > filled:
-            if stitched is None:
-                stitched = np.empty((need, *routes.shape[1:]), dtype=routes.dtype)
-            stitched[filled:reach] = routes[filled:reach]
-            filled = reach
-    return stitched if filled == need else None
+                             f"{len(prompt) + len(output)} tokens ({len(prompt) + len(output) - 1} expected). Cause: "
+                             "a server whose routes do not belong to its answer's tokens (a vLLM outside trl-gspo's "
+                             "tested range).")
+    spans = first_computation_spans(input_ids, [list(prompt) + list(output) for prompt, output, _ in turns])
+    if not spans or spans[-1][2] < need:
+        return None
+    return np.concatenate([turns[k][2][start:stop] for k, start, stop in spans])
 
 
 class RoutedRolloutLoop(_AsyncRolloutLoop):

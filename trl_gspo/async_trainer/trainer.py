@@ -47,7 +47,7 @@ from .config import AsyncGSPOConfig
 from .routing import RoutedRolloutLoop, packed_routes
 from ..config import GSPO_LOSS_TYPES, default_output_dir
 from ..lora_merge import exact_sync_stream, merge_calls_skipped
-from ..losses import gspo_packed_loss, nonfinite_counts, raise_if_nonfinite, unpack_segments
+from ..losses import gspo_packed_loss, nonfinite_counts, unpack_segments
 from ..routing.replay import RoutingReplay
 from ..trainer.lora import exact_sync_model
 
@@ -311,47 +311,33 @@ class AsyncGSPOTrainer(AsyncGRPOTrainer):
         and per sample age the clipped completions as a (clipped, count) rate; with the decoupled objective, the
         sequence weights (mean, max, capped fraction) overall and per age. One reduce, one gather, one host read; the
         NaN/Inf counts ride in the reduce, so every rank raises together."""
-        sums = gspo_metrics.metric_sums(out, mask, entropies, policy_loss, aux_loss=aux_loss,
-                                        with_delta=self.args.delta is not None)
         buckets = self.args.max_staleness + 2  # read at most max_staleness old, then possibly one sync later
         clipped = (out.low_clipped | out.high_clipped).any(-1).float()
         age = ages.clamp(0, buckets - 1)
         by_age = torch.stack([torch.zeros(buckets, device=clipped.device).index_add_(0, age, clipped),
                               torch.bincount(age, minlength=buckets).float()])
-        reduced = self.accelerator.reduce(torch.cat([nonfinite.float(), torch.stack(list(sums.values())),
-                                                     by_age.flatten()]), reduction="sum")
-        reduced_sums = reduced[3:3 + len(sums)]
-        # Ranks hold different completion counts: NaN rows pad them to one shape for the gather (column 0 is never
-        # NaN in a real row), and `present` leaves them out without a host read.
-        columns = [gspo_metrics.per_sequence_values(out, mask)]
         weighted = out.behaviour_weight is not None
-        if weighted:
-            columns.append(torch.stack([age.float(), out.behaviour_weight.float(), out.weight_capped.float(),
-                                        out.behaviour_log_weight.float().abs()], 1))
-        rows = self.accelerator.pad_across_processes(torch.cat(columns, 1), dim=0, pad_index=float("nan"))
-        rows = self.accelerator.gather(rows)
-        present = ~rows[:, 0].isnan()
-        values = gspo_metrics.finish(dict(zip(sums, reduced_sums)), rows, present)
-        weight_stats = self._weight_stats(rows, present, buckets) if weighted else torch.zeros(0, device=rows.device)
-        counts = torch.stack([reduced_sums[list(sums).index("tokens")], present.sum().float(),
-                              (present & (rows[:, 4] > 0)).sum().float()])
-        host = torch.cat([reduced[:3], counts, torch.stack(list(values.values())).float(), reduced[3 + len(sums):],
-                          weight_stats]).tolist()
-        raise_if_nonfinite(host[:3])
-        counts = dict(zip(("tokens", "completions", "nonempty"), host[3:6]))
-        host = host[6:]
+        columns = None
+        if weighted:  # per-sequence columns 5-8 of the gathered rows
+            columns = torch.stack([age.float(), out.behaviour_weight.float(), out.weight_capped.float(),
+                                   out.behaviour_log_weight.float().abs()], 1)
+        read = gspo_metrics.read_to_host(
+            self.accelerator, out, mask, entropies, policy_loss, nonfinite, aux_loss=aux_loss,
+            with_delta=self.args.delta is not None, extra_sums=by_age, extra_columns=columns, ranks_differ=True,
+            row_stats=(lambda rows, present: self._weight_stats(rows, present, buckets)) if weighted else None)
+        counts = {"tokens": read.tokens, "completions": read.completions, "nonempty": read.nonempty}
         # Means over completions or tokens go to TRL's logger as (sum, count) rates: over a logging window of unequal
         # micro-batches each completion (token) then counts once, as in the loss.
-        for name, value in zip(values, host):
+        for name, value in read.values.items():
             count = counts.get(_RATE_COUNTS.get(name))
             self._metrics["train"][name].append(value if count is None else (value * count, count))
-        clipped_by_age, count_by_age = host[len(values):len(values) + buckets], host[len(values) + buckets:]
+        clipped_by_age, count_by_age = read.extra_sums[:buckets], read.extra_sums[buckets:]
         for k in range(buckets):
             if count_by_age[k]:
                 self._metrics["train"][f"gspo/clipped_sequence_fraction/age_{k}"].append(
                     (clipped_by_age[k], count_by_age[k]))
         if weighted:
-            self._log_weight_stats(host[len(values) + 2 * buckets:], buckets)
+            self._log_weight_stats(read.row_stats, buckets)
 
     @staticmethod
     def _weight_stats(rows, present, buckets):

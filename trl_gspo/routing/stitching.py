@@ -24,6 +24,8 @@ be shorter than the last call's (TRL trims the last turn to `max_completion_leng
     calls = [SamplerCall(prompt_ids, completion_ids, routes_of_call_1), SamplerCall(...), ...]
     stitched = stitch_turns(calls, final_prompt_ids, final_completion_ids)   # a SampledRoutes, one entry per sample
 
+The rule itself, position by position, is `first_computation_spans`; the asynchronous trainer applies it to a vLLM
+server's turns (`trl_gspo.async_trainer.routing.stitch_turn_routes`), this module to HF generate's and vLLM's calls.
 Knows nothing of TRL.
 """
 
@@ -37,7 +39,30 @@ import torch
 from .replay import RoutingReplayError
 from .rollout import SampledRoutes, no_route
 
-__all__ = ["SamplerCall", "stitch_turns"]
+__all__ = ["SamplerCall", "first_computation_spans", "stitch_turns"]
+
+
+def first_computation_spans(sequence: Sequence[int], turns: Sequence[Sequence[int]]) -> list[tuple[int, int, int]]:
+    """Where each position of `sequence` takes its route from: `(turn, start, stop)` spans, in order, covering
+    positions `[0, stop of the last span)` of the `len(sequence) - 1` that have a route (the last token is never fed
+    forward). `turns[k]` is the tokens turn k computed (its prompt and output); it routes positions `0 ..
+    len(turns[k]) - 2`, each from the tokens up to it. Position p takes the route of the first turn whose tokens up to
+    p are the sequence's: for a prompt, the prefill that first computed it; for a sampled token, the decode step it
+    was sampled in; for a tool result, the next turn's prefill. Fewer positions covered than needed: some position
+    has no turn that computed it."""
+    need = len(sequence) - 1
+    spans, filled = [], 0
+    for k, tokens in enumerate(turns):
+        common = 0
+        for a, b in zip(tokens, sequence):
+            if a != b:
+                break
+            common += 1
+        reach = min(common, len(tokens) - 1, need)  # routes of positions < common depend on the sequence's tokens only
+        if reach > filled:
+            spans.append((k, filled, reach))
+            filled = reach
+    return spans
 
 
 @dataclass
@@ -79,12 +104,12 @@ def stitch_turns(calls: Sequence[SamplerCall], prompt_ids: Sequence[Sequence[int
     first = calls[0]
     if len(first.prompt_ids) != batch or len(first.completion_ids) != batch:
         raise _refuse(f"the first call generated {len(first.prompt_ids)} completions for {batch} samples.")
-    tokens, rows = [], []
+    tokens, turns = [], []  # per sample: the tokens its last call ended with; every call's (tokens, route rows)
     for i in range(batch):
         if list(first.prompt_ids[i]) != list(prompt_ids[i]):
             raise _refuse(f"sample {i}'s prompt differs from the first call's prompt {i}.")
         tokens.append(list(first.prompt_ids[i]) + list(first.completion_ids[i]))
-        rows.append(_call_rows(first, i))
+        turns.append([(tokens[i], _call_rows(first, i))])
     extended = list(range(batch))  # the samples the previous call extended, ascending
     for number, call in enumerate(calls[1:], start=2):
         taken, cursor = [], 0
@@ -99,10 +124,8 @@ def stitch_turns(calls: Sequence[SamplerCall], prompt_ids: Sequence[Sequence[int
             else:
                 raise _refuse(f"output {j} of call {number} continues none of the samples call {number - 1} "
                               "extended (matched by order and tokens).")
-            call_rows = _call_rows(call, j)
-            # first computation: rows for tokens the sample already held stay; the rest come from this call
-            rows[i] = torch.cat([rows[i], call_rows[held - 1:]])
             tokens[i] = prompt + list(call.completion_ids[j])
+            turns[i].append((tokens[i], _call_rows(call, j)))
             taken.append(i)
         extended = taken
     prompt_routes, completion_routes = [], []
@@ -111,8 +134,11 @@ def stitch_turns(calls: Sequence[SamplerCall], prompt_ids: Sequence[Sequence[int
         if tokens[i][:len(final)] != final:
             raise _refuse(f"sample {i}'s trained tokens differ from the tokens its sampler calls produced "
                           f"({len(final)} trained, {len(tokens[i])} sampled).")
+        # every call's tokens extend the previous call's and the final tokens are a prefix of the last: covered
+        spans = first_computation_spans(final, [turn_tokens for turn_tokens, _ in turns[i]])
+        rows = torch.cat([turns[i][k][1][start:stop] for k, start, stop in spans] or [turns[i][0][1][:0]])
         width, length = len(prompt_ids[i]), len(completion_ids[i])
-        sentinel = torch.full((1, *rows[i].shape[1:]), no_route(rows[i].dtype), dtype=rows[i].dtype)
-        prompt_routes.append(rows[i][:width].clone())  # the final token (last row) is never fed forward: no route
-        completion_routes.append(torch.cat([rows[i][width:width + length - 1], sentinel])[:length])
+        sentinel = torch.full((1, *rows.shape[1:]), no_route(rows.dtype), dtype=rows.dtype)
+        prompt_routes.append(rows[:width].clone())  # the final token (last row) is never fed forward: no route
+        completion_routes.append(torch.cat([rows[width:width + length - 1], sentinel])[:length])
     return SampledRoutes(prompt_routes, completion_routes, sampler_logps=[])

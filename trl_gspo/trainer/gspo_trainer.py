@@ -24,7 +24,6 @@ from ..losses import (
     masked_sequence_mean,
     masked_token_mean,
     nonfinite_counts,
-    raise_if_nonfinite,
 )
 from .model_checks import check_model
 from ..sampling.engine import check_sampler_at_start, engine_options, trainer_engine_options
@@ -294,16 +293,11 @@ class GSPOTrainer(CheckpointMixin, ToolTurnsMixin, GRPOTrainer):
         self._last_world_entropy, self._entropy_window_stats = entropy, None
 
     def _log_gspo_metrics(self, mode, out, mask, entropies, policy_loss, per_token_kl, aux_loss, nonfinite):
-        """Into TRL's `_metrics` (trl_gspo/metrics.py): one reduce, one gather, one host read with the NaN/Inf counts of
-        the loss inputs, so a non-finite input raises before backward on every rank (the counts are summed)."""
-        sums = gspo_metrics.metric_sums(out, mask, entropies, policy_loss, per_token_kl, aux_loss,
-                                        with_delta=self.args.delta is not None)
-        reduced = self.accelerator.reduce(torch.cat([nonfinite.float(), torch.stack(list(sums.values()))]),
-                                          reduction="sum")
-        per_sequence = self.accelerator.gather(gspo_metrics.per_sequence_values(out, mask))
-        values = gspo_metrics.finish(dict(zip(sums, reduced[3:])), per_sequence)
-        host = torch.cat([reduced[:3], torch.stack(list(values.values())).float()]).tolist()  # the one sync
-        raise_if_nonfinite(host[:3])
-        for name, value in zip(values, host[3:]):
+        """Into TRL's `_metrics` (`metrics.read_to_host`): one reduce, one gather, one host read with the NaN/Inf counts
+        of the loss inputs, so a non-finite input raises before backward on every rank (the counts are summed)."""
+        read = gspo_metrics.read_to_host(self.accelerator, out, mask, entropies, policy_loss, nonfinite,
+                                         per_token_kl=per_token_kl, aux_loss=aux_loss,
+                                         with_delta=self.args.delta is not None)
+        for name, value in read.values.items():
             self._metrics[mode][name].append(value)
 
