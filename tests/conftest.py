@@ -2,6 +2,8 @@
 in tests/support/ (its README); tests import them from there, `from support.helpers import tiny_config`."""
 
 import os
+import shutil
+from pathlib import Path
 
 import support.helpers  # noqa: F401  first: sets the test environment (hub offline, at most two torch threads)
 import pytest
@@ -96,6 +98,26 @@ def tokenizer():
     return build_tokenizer()
 
 
+def _tool_model_inputs() -> str:
+    """A short hash of what the tool model is built from: the quickstart's sources and the library versions."""
+    import hashlib
+    from importlib import metadata
+
+    import trl_gspo.quickstart
+
+    versions = []
+    for package in ("torch", "transformers", "trl", "peft", "accelerate", "tokenizers"):
+        try:
+            versions.append(f"{package}=={metadata.version(package)}")
+        except metadata.PackageNotFoundError:
+            versions.append(f"{package} absent")
+    digest = hashlib.sha256(" ".join(versions).encode())
+    for source in sorted(Path(trl_gspo.quickstart.__file__).parent.iterdir()):
+        if source.suffix in (".py", ".json"):
+            digest.update(source.read_bytes())
+    return digest.hexdigest()[:16]
+
+
 @pytest.fixture(scope="session")
 def tool_model_dir(tmp_path_factory):
     """A directory with the tiny tool-calling Qwen3-MoE (`trl_gspo.quickstart.tools.build_tool_model`: character
@@ -105,14 +127,21 @@ def tool_model_dir(tmp_path_factory):
 
     from trl_gspo.quickstart.tools import build_tool_model
 
-    # One build per test run, pytest-xdist workers included: they share the run's base directory's parent.
-    shared = tmp_path_factory.getbasetemp()
-    if os.environ.get("PYTEST_XDIST_WORKER"):
-        shared = shared.parent
-    path = shared / "tool_model"
+    # One build per test run, pytest-xdist workers included: they share the run's base directory's parent. With
+    # TRL_GSPO_TEST_CACHE set (.ci/run sets it), one build per set of inputs across runs: CI's legs share it.
+    cache = os.environ.get("TRL_GSPO_TEST_CACHE")
+    if cache:
+        shared = Path(cache)
+        shared.mkdir(parents=True, exist_ok=True)
+    else:
+        shared = tmp_path_factory.getbasetemp()
+        if os.environ.get("PYTEST_XDIST_WORKER"):
+            shared = shared.parent
+    path = shared / f"tool_model-{_tool_model_inputs()}"
     with FileLock(str(shared / "tool_model.lock")):
         if not path.is_dir():
             staging = shared / "tool_model.partial"  # renamed when whole: a failed build leaves no half a model
+            shutil.rmtree(staging, ignore_errors=True)
             build_tool_model(output_dir=str(staging))
             staging.rename(path)
     return path
