@@ -5,10 +5,15 @@ import os
 import shutil
 from pathlib import Path
 
-import support.helpers  # noqa: F401  first: sets the test environment (hub offline, at most two torch threads)
 import pytest
-import torch
-from support.xdist_groups import group_module_fixture_users
+
+# Before the first import from tests/support/: the checks shared there (assert_same_run, ...) then explain a failure
+# as a test module's own asserts do.
+pytest.register_assert_rewrite("support")
+
+import support.helpers  # noqa: E402,F401  next: sets the test environment (hub offline, at most two torch threads)
+import torch  # noqa: E402
+from support.xdist_groups import group_module_fixture_users  # noqa: E402
 
 
 @pytest.fixture

@@ -14,7 +14,7 @@ import pytest
 aiohttp = pytest.importorskip("aiohttp")  # TRL's rollout worker's transport
 from aiohttp import web  # noqa: E402
 from aiohttp.test_utils import TestServer  # noqa: E402
-from test_vllm_routes import _npy_base64  # noqa: E402
+from support.fake_vllm import npy_base64  # noqa: E402
 
 from trl_gspo.async_trainer.routing import _TURNS, RoutedRolloutLoop, stitch_turn_routes  # noqa: E402
 from trl_gspo.sampling import route_wire  # noqa: E402
@@ -49,7 +49,7 @@ def _server(turns, form, headers_seen):
         headers_seen.append(request.headers.get(route_wire.HEADER))
         output, routes = by_prompt[tuple((await request.json())["prompt"])]
         if form == "json":
-            return web.json_response(_answer(output, _npy_base64(routes)))
+            return web.json_response(_answer(output, npy_base64(routes)))
         reference = "#1" if form == "missing array" else "#0"
         head, route_bytes = route_wire.encode_frame(json.dumps(_answer(output, reference)).encode(), [routes])
         if form == "cut routes":

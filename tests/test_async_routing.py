@@ -7,8 +7,6 @@ import numpy as np
 import pytest
 import torch
 from support.helpers import toy_dataset
-from test_async_trainer import (EPISODES, PROMPTS, _reference_logps, _samples, assert_matches_reference,
-                                token_budget_step)
 
 from support import async_stand_ins
 from support.async_stand_ins import NoWeightTransfer, QueueWorker
@@ -22,6 +20,9 @@ from trl_gspo import AsyncGSPOConfig, AsyncGSPOTrainer  # noqa: E402
 from trl_gspo.async_trainer.routing import packed_routes, stitch_turn_routes  # noqa: E402
 from trl_gspo.async_trainer.trainer import _VersionedRolloutCollator  # noqa: E402
 from trl_gspo.routing.replay import RoutingReplay  # noqa: E402
+
+from support.async_reference import (EPISODES, PROMPTS, assert_matches_reference, episode_samples,  # noqa: E402
+                                     reference_logps, token_budget_step)
 
 LAYERS, TOP_K, EXPERTS = 2, 2, 4  # the tiny Qwen3-MoE (trl_gspo/quickstart/tiny_qwen3_moe.json)
 
@@ -78,7 +79,8 @@ def test_packed_routes_follow_trls_packed_order():
 
 
 def _samples_with_routes():
-    """The test_async_trainer episodes with random routes per sample (prompts shared, first tokens shared)."""
+    """The shared reference episodes (support.async_reference) with random routes per sample (prompts shared, first
+    tokens shared)."""
     samples = []
     for i, (prompt, completion, mask, advantage) in enumerate(EPISODES):
         ids = PROMPTS[prompt] + completion
@@ -98,7 +100,7 @@ def test_replayed_packed_step_matches_a_float64_reference_per_sample(tiny_moe_di
     over all six."""
     import copy
 
-    samples = _samples(tiny_moe_dir)
+    samples = episode_samples(tiny_moe_dir)
     for sample, routed in zip(samples, _samples_with_routes()):
         sample["routes"] = routed["routes"]
     # Shared positions must hold one route: give every sample the first owner's route for a shared prefix.
@@ -141,7 +143,7 @@ def test_replayed_packed_step_matches_a_float64_reference_per_sample(tiny_moe_di
     reference = AutoModelForCausalLM.from_pretrained(tiny_moe_dir, dtype=torch.float64, attn_implementation="eager",
                                                      experts_implementation="eager")
     replay = RoutingReplay(reference)
-    sampled = _reference_logps(tiny_moe_dir)
+    sampled = reference_logps(tiny_moe_dir)
     eps_low, eps_high = (3e-4, 4e-4) if loss_type == "gspo" else (0.2, 0.2)
     terms, token_terms = [], []
     for sample, (prompt, completion, mask, advantage), sampled_logps in zip(samples, EPISODES, sampled):
@@ -175,7 +177,7 @@ def test_routing_replay_refuses_a_micro_batch_without_routes(tiny_moe_dir, token
                            disable_tqdm=True)
     trainer = AsyncGSPOTrainer(model=str(tiny_moe_dir), args=args, train_dataset=toy_dataset(4), processing_class=tok,
                                rollout_worker=QueueWorker(), weight_transfer=NoWeightTransfer())
-    samples = _samples(tiny_moe_dir)
+    samples = episode_samples(tiny_moe_dir)
     for sample in samples:
         sample["routes"] = None
     row = TreeRow()

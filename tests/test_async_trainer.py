@@ -7,7 +7,6 @@ every parameter against a float64 reference written from the paper (one completi
 packing), and against the synchronous `GSPOTrainer`'s loss on the same samples unpadded-and-unpacked."""
 
 import copy
-from collections import defaultdict
 
 import numpy as np
 import pytest
@@ -19,13 +18,15 @@ from support.async_stand_ins import NoWeightTransfer, QueueWorker
 
 async_stand_ins.install()
 
-from trl.experimental.async_grpo.async_grpo_trainer import TokenBudgetBatcher  # noqa: E402
 from trl.experimental.async_grpo.async_rollout_worker import RolloutSample  # noqa: E402
 from trl.experimental.async_grpo.packing import TreeRow  # noqa: E402
 from transformers import AutoModelForCausalLM  # noqa: E402
 
 from trl_gspo import AsyncGSPOConfig, AsyncGSPOTrainer, GSPOConfig, GSPOTrainer  # noqa: E402
 from trl_gspo.async_trainer.trainer import _VersionedRolloutCollator  # noqa: E402
+
+from support.async_reference import (EPISODES, OFFSETS, PROMPTS, assert_matches_reference,  # noqa: E402
+                                     episode_samples, reference_logps, token_budget_step)
 
 EPS_LOW, EPS_HIGH = 3e-4, 4e-4
 
@@ -40,48 +41,6 @@ def _trainer(tiny_moe_dir, tokenizer, tmp_path, samples=(), callbacks=None, **co
     return AsyncGSPOTrainer(model=str(tiny_moe_dir), reward_funcs=[], args=args, train_dataset=toy_dataset(4),
                             processing_class=tokenizer, rollout_worker=QueueWorker(samples),
                             weight_transfer=NoWeightTransfer(), callbacks=callbacks)
-
-
-# Two prompts; completions of the first share their first tokens (the trie forks inside the completion), one holds
-# a tool result (context, mask 0) between its policy tokens, one is a single token. (prompt, completion, mask, A).
-EPISODES = [
-    (0, [11, 12, 13, 14, 15], [1, 1, 1, 1, 1], 1.0),
-    (0, [11, 12, 20, 21, 22, 23], [1, 1, 1, 1, 1, 1], -0.8),
-    (0, [30, 31, 40, 41, 32, 33], [1, 1, 0, 0, 1, 1], 0.6),
-    (0, [17], [1], -1.1),
-    (1, [25, 26, 27], [1, 1, 1], 0.9),
-    (1, [25, 28, 29, 30], [1, 1, 1, 1], -0.4),
-]
-PROMPTS = [[5, 6, 7, 8, 9, 10], [6, 6, 7, 9]]
-# Sampler log-prob offsets per completion: inside GSPO's band, below it, above it (log ratio ~ -offset).
-OFFSETS = [0.0, 1e-3, -1e-3, 2e-3, -2e-3, 0.0]
-
-
-@torch.no_grad()
-def _reference_logps(tiny_moe_dir):
-    """log pi(y_t) of every completion token, float64, one episode at a time (a plain forward, eager attention)."""
-    model = AutoModelForCausalLM.from_pretrained(tiny_moe_dir, dtype=torch.float64, attn_implementation="eager",
-                                                 experts_implementation="eager")
-    out = []
-    for prompt, completion, _, _ in EPISODES:
-        ids = torch.tensor([PROMPTS[prompt] + completion])
-        logps = model(ids).logits[0, :-1].log_softmax(-1).gather(-1, ids[0, 1:, None])[:, 0]
-        out.append(logps[len(PROMPTS[prompt]) - 1:])
-    return out
-
-
-def _samples(tiny_moe_dir):
-    """The episodes as TRL's queue reader yields them (plus `model_version`); pi_old: the float64 log-probs plus the
-    offsets."""
-    samples = []
-    for (prompt, completion, mask, advantage), logps, offset in zip(EPISODES, _reference_logps(tiny_moe_dir), OFFSETS):
-        ids = PROMPTS[prompt] + completion
-        full_mask = [0] * len(PROMPTS[prompt]) + mask
-        old = [0.0] * len(PROMPTS[prompt]) + [float(lp) + offset if m else 0.0 for lp, m in zip(logps, mask)]
-        samples.append({"input_ids": np.array(ids), "completion_mask": np.array(full_mask),
-                        "old_log_probs": np.array(old, dtype=np.float32), "advantage": advantage,
-                        "group_id": prompt, "metrics": {}, "model_version": 0})
-    return samples
 
 
 def _reference_loss(model, sampled, token_level):
@@ -101,19 +60,6 @@ def _reference_loss(model, sampled, token_level):
         term = torch.minimum(ratio * advantage, ratio.clamp(1 - EPS_LOW, 1 + EPS_HIGH) * advantage)
         terms.append(term.mean())
     return -torch.stack(terms).mean()
-
-
-def assert_matches_reference(loss, grads, expected, reference):
-    """The trainer's loss and gradients `grads` (name -> tensor) equal the float64 reference's: `expected` (its loss,
-    not yet backpropagated) and every gradient of `reference`, to float32 rounding scaled by the largest gradient.
-    Returns the reference's gradients by name."""
-    expected.backward()
-    assert loss.item() == pytest.approx(expected.item(), rel=1e-5, abs=1e-7)
-    expected_grads = {n: p.grad for n, p in reference.named_parameters() if p.grad is not None}
-    scale = max(g.abs().max().item() for g in expected_grads.values())
-    for name, grad in expected_grads.items():
-        torch.testing.assert_close(grads[name].double(), grad, rtol=1e-4, atol=1e-5 * scale, msg=name)
-    return expected_grads
 
 
 def _packed_batch(samples, rows=1):
@@ -137,13 +83,13 @@ def _loss_and_grads(trainer, batch):
 @pytest.mark.parametrize("loss_type", ["gspo", "gspo_token"])
 def test_packed_loss_and_gradients_match_the_float64_reference(tiny_moe_dir, tokenizer, tmp_path, loss_type):
     trainer = _trainer(tiny_moe_dir, tokenizer, tmp_path, loss_type=loss_type)
-    batch = _packed_batch(_samples(tiny_moe_dir))
+    batch = _packed_batch(episode_samples(tiny_moe_dir))
     assert batch["input_ids"].shape[1] < sum(len(PROMPTS[p]) + len(c) for p, c, _, _ in EPISODES)  # shared prefixes
     loss, grads = _loss_and_grads(trainer, batch)
 
     reference = AutoModelForCausalLM.from_pretrained(tiny_moe_dir, dtype=torch.float64, attn_implementation="eager",
                                                  experts_implementation="eager")
-    expected = _reference_loss(reference, _reference_logps(tiny_moe_dir), token_level=loss_type == "gspo_token")
+    expected = _reference_loss(reference, reference_logps(tiny_moe_dir), token_level=loss_type == "gspo_token")
     assert set(grads) == set(assert_matches_reference(loss, grads, expected, reference))
 
     # The clip band acted: both clipped and unclipped completions, so a wrong |y_i| or band would show.
@@ -153,25 +99,6 @@ def test_packed_loss_and_gradients_match_the_float64_reference(tiny_moe_dir, tok
     assert logged["gspo/clipped_sequence_fraction/age_0"][-1] == pytest.approx((clipped, completions))
 
 
-def token_budget_step(trainer, samples, budget, route_shape=None):
-    """One optimizer step's forward and backward as transformers' loop runs it: TRL's token-budget batcher plans the
-    micro-batches (completions per micro-batch follow their lengths), `get_batch_samples` fetches them all, then one
-    `training_step` each. Returns the summed loss, the accumulated gradients and the completions per micro-batch."""
-    flush = {"input_ids": np.arange(100, 100 + budget), "completion_mask": np.ones(budget, dtype=int),
-             "old_log_probs": np.zeros(budget, dtype=np.float32), "advantage": 0.0, "group_id": 99, "metrics": {},
-             "model_version": 0}  # fits only alone: closes the last planned micro-batch, never trained itself
-    planned = list(TokenBudgetBatcher([*samples, flush], 1, budget, defaultdict(list)))
-    collator = _VersionedRolloutCollator(pad_token_id=0, num_processes=1, route_shape=route_shape)
-    batches, _ = trainer.get_batch_samples(iter([collator([rows]) for rows in planned]), len(planned), "cpu")
-    trainer.current_gradient_accumulation_steps = len(batches)
-    trainer._policy_version = 0
-    trainer.model.train()
-    trainer.model.zero_grad()
-    loss = sum(trainer.training_step(trainer.model, batch).detach() for batch in batches)
-    grads = {n: p.grad.clone() for n, p in trainer.model.named_parameters() if p.grad is not None}
-    return loss, grads, [len(rows[0].samples) for rows in planned]
-
-
 @pytest.mark.parametrize("loss_type", ["gspo", "gspo_token"])
 def test_a_step_of_unequal_micro_batches_is_the_plain_mean_over_its_completions(tiny_moe_dir, tokenizer, tmp_path,
                                                                                  loss_type):
@@ -179,19 +106,19 @@ def test_a_step_of_unequal_micro_batches_is_the_plain_mean_over_its_completions(
     micro-batch: three micro-batches of 2, 3 and 1 completions give the float64 reference's plain mean over all six
     (a per-micro-batch mean over the accumulation steps would weigh the lone completion 3x the others)."""
     trainer = _trainer(tiny_moe_dir, tokenizer, tmp_path, loss_type=loss_type, gradient_accumulation_steps=3)
-    loss, grads, counts = token_budget_step(trainer, _samples(tiny_moe_dir), budget=21)
+    loss, grads, counts = token_budget_step(trainer, episode_samples(tiny_moe_dir), budget=21)
     assert counts == [2, 3, 1]
 
     reference = AutoModelForCausalLM.from_pretrained(tiny_moe_dir, dtype=torch.float64, attn_implementation="eager",
                                                      experts_implementation="eager")
-    expected = _reference_loss(reference, _reference_logps(tiny_moe_dir), token_level=loss_type == "gspo_token")
+    expected = _reference_loss(reference, reference_logps(tiny_moe_dir), token_level=loss_type == "gspo_token")
     assert_matches_reference(loss, grads, expected, reference)
 
 
 def test_packed_loss_equals_the_synchronous_trainers_loss_on_the_same_samples(tiny_moe_dir, tokenizer, tmp_path):
     """Same samples, same weights: `GSPOTrainer._compute_loss` on TRL's synchronous (padded, unpacked) batch with the
     tool result masked by `tool_mask` gives AsyncGSPOTrainer's loss on the packed row, value and gradients."""
-    samples = _samples(tiny_moe_dir)
+    samples = episode_samples(tiny_moe_dir)
     packed = _trainer(tiny_moe_dir, tokenizer, tmp_path / "async")
     loss, grads = _loss_and_grads(packed, _packed_batch(samples, rows=1))
 

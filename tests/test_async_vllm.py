@@ -99,11 +99,11 @@ def async_server(tmp_path_factory):
     weight-loading extension. Yields (url, model dir): the trainer loads the same directory."""
     from async_run import build_model_dir
     from support.async_weight_files import WORKER_EXTENSION
-    from test_vllm import _serving
+    from support.vllm_servers import serving
 
     root = tmp_path_factory.mktemp("async_server")
     model_dir = build_model_dir(root / "model")
-    with _serving(root, model_dir, extra=["--dtype", "float32", "--worker-extension-cls", WORKER_EXTENSION]) as url:
+    with serving(root, model_dir, extra=["--dtype", "float32", "--worker-extension-cls", WORKER_EXTENSION]) as url:
         yield url, model_dir
 
 

@@ -7,7 +7,7 @@ import time
 import pytest
 import transformers
 from support.helpers import digit_reward, tiny_config, toy_dataset
-from test_routing import FAMILIES, _build, _config
+from support.moe_families import FAMILIES, build_family_model, family_config
 
 from trl_gspo import GSPOConfig, GSPOTrainer
 from trl_gspo.trainer.model_checks import aux_loss_enabled, check_moe_aux_loss, model_config
@@ -19,26 +19,27 @@ REFUSED_BACKBONE = {"llama4"}
 
 
 def test_aux_loss_rule_follows_trl(tmp_path):
-    config = _config("granitemoe")
+    config = family_config("granitemoe")
     assert aux_loss_enabled(config, GSPOConfig(output_dir=str(tmp_path), use_cpu=True, bf16=False))
     assert not aux_loss_enabled(config, GSPOConfig(output_dir=str(tmp_path), use_cpu=True, bf16=False,
                                                    router_aux_loss_coef=0.0))
     # DeepSeek-V3 declares no coefficient: TRL then uses 0, nothing to compute
-    assert not aux_loss_enabled(_config("deepseek_v3"), GSPOConfig(output_dir=str(tmp_path), use_cpu=True, bf16=False))
+    assert not aux_loss_enabled(family_config("deepseek_v3"),
+                                GSPOConfig(output_dir=str(tmp_path), use_cpu=True, bf16=False))
 
 
 def test_granite_is_refused_with_the_fix_and_accepted_without_aux_loss(tmp_path):
     args = GSPOConfig(output_dir=str(tmp_path), use_cpu=True, bf16=False)
     with pytest.raises(ValueError, match=r"^`router_aux_loss_coef`.*num_experts.*Fix: set router_aux_loss_coef=0"):
-        check_moe_aux_loss(_config("granitemoe"), args)
-    check_moe_aux_loss(_config("granitemoe"), GSPOConfig(output_dir=str(tmp_path), use_cpu=True, bf16=False,
-                                                         router_aux_loss_coef=0.0))
-    check_moe_aux_loss(_config("qwen3_moe"), args)
+        check_moe_aux_loss(family_config("granitemoe"), args)
+    check_moe_aux_loss(family_config("granitemoe"), GSPOConfig(output_dir=str(tmp_path), use_cpu=True, bf16=False,
+                                                               router_aux_loss_coef=0.0))
+    check_moe_aux_loss(family_config("qwen3_moe"), args)
 
 
 def test_a_hub_id_is_checked_from_its_config_without_loading_weights(tmp_path):
     path = tmp_path / "granite"
-    _config("granitemoe").save_pretrained(path)  # a config alone: a refusal must not need the weights
+    family_config("granitemoe").save_pretrained(path)  # a config alone: a refusal must not need the weights
     args = tiny_config(tmp_path / "out")
     assert type(model_config(str(path), args)).__name__ == "GraniteMoeConfig"
     assert model_config(str(tmp_path / "nothing-here"), args) is None  # TRL reports that one itself
@@ -50,7 +51,7 @@ def test_a_hub_id_is_checked_from_its_config_without_loading_weights(tmp_path):
 
 @pytest.mark.parametrize("name", list(FAMILIES))
 def test_each_family_trains_a_step_or_is_refused_at_construction(name, tmp_path, tokenizer):
-    model = _build(name)
+    model = build_family_model(name)
     model.generation_config = transformers.GenerationConfig(pad_token_id=tokenizer.pad_token_id,
                                                             eos_token_id=tokenizer.eos_token_id)
     args = tiny_config(tmp_path, max_steps=1, steps_per_generation=2, max_completion_length=3)

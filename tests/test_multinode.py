@@ -21,9 +21,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from support.helpers import cpu_env
+from support.helpers import cpu_env, free_port
+from support.multiprocess import ONE_PROCESS, RUN_SCRIPT, assert_same_run
 from safetensors.torch import load_file
-from test_multiprocess import ONE_PROCESS, RUN_SCRIPT, _assert_same_run, _free_port
 
 from trl_gspo.launch import cli, multinode
 
@@ -82,7 +82,7 @@ def _finish(processes, timeout=600) -> list[tuple[int, str, str]]:
 
 def _two_nodes(recipe, backend, output_dirs, *extra, timeout=600):
     """Both launchers at once (machine ranks 0 and 1); [(returncode, stdout, stderr)] per node."""
-    port = _free_port()
+    port = free_port()
     return _finish([_start(_node_command(recipe, backend, output_dirs[rank], rank, port, *extra))
                     for rank in (0, 1)], timeout)
 
@@ -111,7 +111,7 @@ def one_node_runs(tmp_path_factory):
     for backend in CONFIGS:
         tmp = tmp_path_factory.mktemp(f"one_node_{backend}")
         command = [sys.executable, "-m", "trl_gspo.launch.cli", "--config", str(_recipe(tmp)), "--accelerate_config",
-                   str(CONFIGS[backend]), "--num_processes", "2", "--main_process_port", str(_free_port()),
+                   str(CONFIGS[backend]), "--num_processes", "2", "--main_process_port", str(free_port()),
                    "--output_dir", str(tmp / "out")]
         [(code, _, stderr)] = _finish([_start(command)])
         assert code == 0, stderr[-3000:]
@@ -168,11 +168,11 @@ def test_two_nodes_match_one_process(backend, tmp_path):
         command = [sys.executable, "-m", "accelerate.commands.launch", *launch_args, str(RUN_SCRIPT), str(out)]
         return _start(command)
 
-    port = _free_port()
+    port = free_port()
     nodes = [launch(["--config_file", str(CONFIGS[backend]), "--num_processes", "2", "--num_machines", "2",
                      "--machine_rank", str(rank), "--main_process_ip", "127.0.0.1", "--main_process_port",
                      str(port)], tmp_path / "two") for rank in (0, 1)]
-    one = launch([*ONE_PROCESS, "--main_process_port", str(_free_port())], tmp_path / "one")
+    one = launch([*ONE_PROCESS, "--main_process_port", str(free_port())], tmp_path / "one")
     results = _finish([*nodes, one])
     for code, _, stderr in results:
         assert code == 0, stderr[-3000:]
@@ -183,7 +183,7 @@ def test_two_nodes_match_one_process(backend, tmp_path):
     assert not any(line.startswith("RESULT ") for line in results[1][1].splitlines())  # rank 0 reports, alone
     two = result(results[0][1])
     assert max(result(results[2][1])["replayed"]) > 0
-    _assert_same_run(two, result(results[2][1]), backend)
+    assert_same_run(two, result(results[2][1]), backend)
 
 
 @pytest.mark.parametrize("backend", list(CONFIGS))
@@ -196,7 +196,7 @@ def test_kill_and_resume_on_a_shared_output_dir_continues_exactly(backend, two_n
     # A zero reward that sleeps: the same advantages, and steps slow enough to stop the run between checkpoints.
     recipe = _recipe(tmp_path, reward_funcs="[digit_match_reward, tests.scripts.slow_reward.slow_zero_reward]")
     out = tmp_path / "out"
-    port = _free_port()
+    port = free_port()
     nodes = [_start(_node_command(recipe, backend, out, rank, port)) for rank in (0, 1)]
     deadline = time.monotonic() + 300
     while not (out / "checkpoint-2" / "trainer_state.json").is_file():
@@ -235,7 +235,7 @@ def test_a_node_that_never_joins_ends_the_wait_with_a_clear_error(tmp_path):
     default), then the command fails and says what to check."""
     started = time.monotonic()
     [(code, stdout, stderr)] = _finish([_start(_node_command(_recipe(tmp_path), "ddp", tmp_path / "out", 0,
-                                                              _free_port(), "--rdzv_conf", "timeout=5"))],
+                                                              free_port(), "--rdzv_conf", "timeout=5"))],
                                        timeout=300)
     assert code != 0 and time.monotonic() - started < 120
     assert "waiting up to 5 s for them" in stdout
@@ -342,7 +342,7 @@ def test_join_timeout_and_port_probe():
         held.bind(("127.0.0.1", 0))
         held.listen()
         assert multinode.port_in_use(held.getsockname()[1])
-    assert not multinode.port_in_use(_free_port())
+    assert not multinode.port_in_use(free_port())
 
 
 def test_readme_and_docs_show_the_tested_command():

@@ -3,29 +3,22 @@ process."""
 
 import json
 import shutil
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
-from support.helpers import cpu_env
+from support.helpers import cpu_env, free_port
+from support.multiprocess import ONE_PROCESS, RUN_SCRIPT, assert_same_run
 
 pytestmark = pytest.mark.slow
 SCRIPT = Path(__file__).parent / "scripts" / "ddp_parity.py"
-RUN_SCRIPT = Path(__file__).parent / "scripts" / "multiprocess_run.py"
 ACCELERATE_CONFIGS = Path(__file__).parents[1] / "recipes" / "accelerate"
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:  # a fixed default port can still be held by an earlier run's processes
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def test_two_process_ddp_matches_trl(tmp_path):
     command = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
-               "--main_process_port", str(_free_port()),
+               "--main_process_port", str(free_port()),
                "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no", str(SCRIPT), str(tmp_path)]
     result = subprocess.run(command, capture_output=True, text=True, timeout=600,
                             env=cpu_env(OMP_NUM_THREADS="1"))
@@ -44,7 +37,7 @@ def test_two_process_ddp_matches_trl(tmp_path):
 def _launch(out_dir, launch_args, *script_args):
     """`accelerate launch <launch_args> multiprocess_run.py out_dir <script_args>`; returns its RESULT line."""
     command = [sys.executable, "-m", "accelerate.commands.launch", *launch_args,
-               "--main_process_port", str(_free_port()), str(RUN_SCRIPT), str(out_dir), *script_args]
+               "--main_process_port", str(free_port()), str(RUN_SCRIPT), str(out_dir), *script_args]
     result = subprocess.run(command, capture_output=True, text=True, timeout=600,
                             env=cpu_env(OMP_NUM_THREADS="1"))
     assert result.returncode == 0, result.stderr[-3000:]
@@ -57,25 +50,12 @@ TWO_PROCESSES = {
     "zero2": ["--config_file", str(ACCELERATE_CONFIGS / "cpu_zero2.yaml"), "--num_processes", "2"],
     "zero3": ["--config_file", str(ACCELERATE_CONFIGS / "cpu_zero3.yaml"), "--num_processes", "2"],
 }
-ONE_PROCESS = ["--num_processes", "1", "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no"]
 
 
 def _two_processes(backend):
     if backend != "ddp":
         pytest.importorskip("deepspeed")  # in the test extra; skipped only in a hand-made environment without it
     return TWO_PROCESSES[backend]
-
-
-def _assert_same_run(two, one, backend):
-    """Two processes reproduce the one-process run: the global batch and the sampled completions are the same by
-    construction (multiprocess_run.py), so losses, grad norms and every gathered metric must match."""
-    assert (two["world_size"], two["deepspeed"], one["world_size"]) == (2, backend != "ddp", 1)
-    assert max(one["grad_norm"]) > 1e-2  # real gradients, not all-zero advantages
-    assert two["loss"] == pytest.approx(one["loss"], rel=1e-4, abs=1e-6)
-    assert two["grad_norm"] == pytest.approx(one["grad_norm"], rel=1e-4, abs=1e-6)
-    assert two["checksum"] == pytest.approx(one["checksum"], rel=1e-6)
-    for metric in ("clip", "drift", "replayed"):  # gathered over both ranks' sequences, not rank 0's
-        assert two[metric] == pytest.approx(one[metric], abs=1e-6), metric
 
 
 @pytest.fixture(scope="module")
@@ -89,13 +69,13 @@ def test_gspo_on_two_processes_matches_one(backend, single_process_gspo, tmp_pat
     one = single_process_gspo
     two = _launch(tmp_path, _two_processes(backend), "--loss-type", "gspo", "--routing-replay", "none")
     assert max(one["clip"]) > 0  # the sequence-level clip fired, so the gathered clip fractions are a real check
-    _assert_same_run(two, one, backend)
+    assert_same_run(two, one, backend)
 
 
 def test_lora_on_attention_and_experts_under_zero3_matches_one_process(tmp_path):
     one = _launch(tmp_path / "one", ONE_PROCESS, "--loss-type", "gspo", "--lora")
     two = _launch(tmp_path / "two", _two_processes("zero3"), "--loss-type", "gspo", "--lora")
-    _assert_same_run(two, one, "zero3")
+    assert_same_run(two, one, "zero3")
     # HF generate ran with the adapters folded, under ZeRO-3 too (inside TRL's gather: ds3_gather_for_generation);
     # the old-policy pass folds the experts on one process only: under ZeRO-3 its weights are shards
     assert one["folds"]["generate"] > 0 and two["folds"]["generate"] == one["folds"]["generate"]
@@ -136,7 +116,7 @@ def test_routing_replay_on_two_processes_matches_one(backend, single_process_rep
     one = single_process_replay
     two = _launch(tmp_path, _two_processes(backend))
     assert max(one["replayed"]) > 0
-    _assert_same_run(two, one, backend)
+    assert_same_run(two, one, backend)
     rank0, rank1 = two["fingerprints"]
     assert len(rank0) == len(rank1) == 3 and not set(rank0) & set(rank1)  # each rank recorded its own routing
 
@@ -148,7 +128,7 @@ def test_cli_quickstart_with_cold_start_on_two_ddp_processes(tmp_path):
     command = [sys.executable, "-m", "trl_gspo.launch.cli",
                "--config", str(ACCELERATE_CONFIGS.parent / "quickstart.yaml"),
                "--accelerate_config", str(ACCELERATE_CONFIGS / "cpu_ddp.yaml"), "--main_process_port",
-               str(_free_port()), "--output_dir", str(tmp_path / "out"), "--sft_steps", "20", "--max_steps", "4",
+               str(free_port()), "--output_dir", str(tmp_path / "out"), "--sft_steps", "20", "--max_steps", "4",
                "--per_device_train_batch_size", "16", "--logging_steps", "2"]
     result = subprocess.run(command, capture_output=True, text=True, timeout=600,
                             env=cpu_env(OMP_NUM_THREADS="1"))
@@ -189,4 +169,4 @@ def test_rollout_routing_replay_on_two_processes_matches_one(backend, single_pro
     one = single_process_r3
     two = _launch(tmp_path, _two_processes(backend), "--routing-replay", "sampler")
     assert max(one["replayed"]) > 0  # the off-policy iteration drifted and the sampler's routes were forced
-    _assert_same_run(two, one, backend)
+    assert_same_run(two, one, backend)

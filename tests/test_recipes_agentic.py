@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from test_recipes_vllm import _commands, _gpus
+from support.recipe_headers import command_gpus, header_commands
 
 from trl_gspo.launch.cli import main, parse_recipe
 
@@ -103,9 +103,9 @@ def test_server_launch_commands():
 
     path = FOLDER / "gspo_tools_vllm_server.yaml"
     recipe = _load(path)
-    check, server, trainer, accelerate = _commands(path)
+    check, server, trainer, accelerate = header_commands(path)
     assert check.startswith("python -c ")
-    server_gpus, trainer_gpus = _gpus(server), _gpus(trainer)
+    server_gpus, trainer_gpus = command_gpus(server), command_gpus(trainer)
     assert not set(server_gpus) & set(trainer_gpus) and len(trainer_gpus) == recipe["num_processes"]
     assert server.split()[1:3] == ["trl-gspo", "vllm-serve"]
     (args,) = make_parser().parse_args_and_config(args=shlex.split(server)[3:])
@@ -114,7 +114,7 @@ def test_server_launch_commands():
     config = f"recipes/qwen3_30b_a3b/agentic/{path.name}"
     assert trainer.split()[1:] == ["trl-gspo", "--config", config]
     words = accelerate.split()
-    assert _gpus(accelerate) == trainer_gpus and words[1:3] == ["accelerate", "launch"]
+    assert command_gpus(accelerate) == trainer_gpus and words[1:3] == ["accelerate", "launch"]
     assert words[words.index("--config_file") + 1] == "recipes/accelerate/zero3_offload.yaml"
     assert words[words.index("--num_processes") + 1] == str(recipe["num_processes"])
     assert words[-4:] == ["-m", "trl_gspo.launch.train", "--config", config]
@@ -124,7 +124,7 @@ def test_server_launch_commands():
 def test_colocate_launch_commands():
     path = FOLDER / "gspo_tools_vllm_colocate.yaml"
     recipe = _load(path)
-    check, trainer, accelerate = _commands(path)
+    check, trainer, accelerate = header_commands(path)
     assert check.startswith("python -c ")
     config = f"recipes/qwen3_30b_a3b/agentic/{path.name}"
     assert trainer == f"trl-gspo --config {config}"
@@ -140,7 +140,7 @@ def test_the_headers_template_check_passes_for_trls_qwen3_template(name, qwen3_t
     from trl.chat_template_utils import qwen3_template, qwen3_training_chat_template
 
     path = FOLDER / f"{name}.yaml"
-    command = _commands(path)[0]
+    command = header_commands(path)[0]
     words = shlex.split(command)
     assert words[:2] == ["python", "-c"]
     asked = []

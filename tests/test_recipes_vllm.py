@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 import yaml
 from support.helpers import skip_without_math_verify
+from support.recipe_headers import command_gpus, header_commands
 
 from trl_gspo.launch.cli import main
 
@@ -36,33 +37,6 @@ def _path(model, layout, name) -> Path:
 
 def _load(path: Path) -> dict:
     return yaml.safe_load(path.read_text())
-
-
-def _commands(path: Path) -> list[str]:
-    """The shell commands in a recipe's header: comment lines indented by three spaces, `\\` continuations joined."""
-    commands, pending = [], None
-    for line in path.read_text().splitlines():
-        if not line.startswith("#"):
-            break
-        text = line[1:]
-        if pending is not None:
-            pending += " " + text.strip()
-        elif text.startswith("   ") and text.strip():
-            pending = text.strip()
-        else:
-            continue
-        if pending.endswith("\\"):
-            pending = pending[:-1].rstrip()
-        else:
-            commands.append(pending)
-            pending = None
-    return commands
-
-
-def _gpus(command: str) -> list[int]:
-    match = re.match(r"CUDA_VISIBLE_DEVICES=([\d,]+) ", command)
-    assert match, f"no CUDA_VISIBLE_DEVICES in {command!r}"
-    return [int(gpu) for gpu in match.group(1).split(",")]
 
 
 def _processes(recipe: dict) -> int:
@@ -118,7 +92,7 @@ def test_colocate_layout(model):
         assert tensor_parallel == {"qwen3_30b_a3b": 2, "granite_3b_a800m": 1}[model]  # the headers say why
         assert _processes(recipe) % tensor_parallel == 0  # TRL forms its TP groups from the training ranks
         assert recipe["vllm_enable_sleep_mode"] is True and 0 < recipe["vllm_gpu_memory_utilization"] < 1
-        assert _commands(_path(model, "vllm_colocate", name)) == [
+        assert header_commands(_path(model, "vllm_colocate", name)) == [
             f"trl-gspo --config recipes/{model}/vllm_colocate/{name}.yaml"]
 
 
@@ -132,8 +106,8 @@ def test_server_layout_launch_commands(model):
     for name in TRIOS[model]:
         path = _path(model, "vllm_server", name)
         recipe = _load(path)
-        server, trainer, accelerate = _commands(path)
-        server_gpus, trainer_gpus = _gpus(server), _gpus(trainer)
+        server, trainer, accelerate = header_commands(path)
+        server_gpus, trainer_gpus = command_gpus(server), command_gpus(trainer)
         assert not set(server_gpus) & set(trainer_gpus)
         prefix = server.split()[1:3]
         assert prefix == ["trl-gspo", "vllm-serve"], server
@@ -141,7 +115,7 @@ def test_server_layout_launch_commands(model):
         assert args.model == recipe["model_name_or_path"] and args.port == recipe["vllm_server_port"]
         assert len(server_gpus) == args.tensor_parallel_size * args.data_parallel_size
         assert trainer.split()[1:] == ["trl-gspo", "--config", f"recipes/{model}/vllm_server/{name}.yaml"]
-        assert len(trainer_gpus) == _processes(recipe) and _gpus(accelerate) == trainer_gpus
+        assert len(trainer_gpus) == _processes(recipe) and command_gpus(accelerate) == trainer_gpus
         words = accelerate.split()
         assert words[1:3] == ["accelerate", "launch"] and words[-4:] == ["-m", "trl_gspo.launch.train", "--config",
                                                                            f"recipes/{model}/vllm_server/{name}.yaml"]
@@ -183,7 +157,7 @@ def test_server_commands_in_the_docs_come_from_the_recipe_headers():
     a docs page must be, word for word, one of a recipe header's (docs/gpus.md once had TP 4 and another model name
     where the recipe said TP 2 x DP 2)."""
     headers = {" ".join(shlex.split(command)) for path in (ROOT / "recipes").rglob("*.yaml")
-               for command in _commands(path)}
+               for command in header_commands(path)}
     written = []
     for page in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]:
         text = page.read_text().replace("\\\n", " ")

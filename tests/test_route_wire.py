@@ -141,7 +141,7 @@ def test_a_vllm_without_the_encoder_leaves_answers_as_json(monkeypatch):
 def test_the_trainer_announces_a_json_answer_once(tokenizer, caplog):
     """A server that answers JSON with base64 routes (plain `vllm serve --enable-return-routed-experts`, an older
     trl-gspo) still works: the routes are read from the JSON, and a warning says once that it is the slow path."""
-    from test_vllm_routes import PROMPTS, _server
+    from support.fake_vllm import PROMPTS, fake_server
 
     from trl_gspo.sampling import routes as vllm_routes
     from trl_gspo.sampling import server as vllm_server
@@ -150,7 +150,7 @@ def test_the_trainer_announces_a_json_answer_once(tokenizer, caplog):
     vllm_server._json_fallback_announced.clear()
     try:
         for framed in (False, False, True):
-            llm, client = _server(tokenizer, framed=framed)
+            llm, client = fake_server(tokenizer, framed=framed)
             with caplog.at_level("WARNING"), vllm_server.capture_server_choices(client) as choices:
                 client.session.post("http://h/v1/completions", json={"prompt": [PROMPTS[0]]})
             assert len(vllm_routes.routes_from_server(choices).completion_routes) == 2

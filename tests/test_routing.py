@@ -5,87 +5,9 @@ from contextlib import nullcontext
 import pytest
 import torch
 import transformers
+from support.moe_families import COMMON, FAMILIES, build_family_model, family_config, router_weight
 
 from trl_gspo.routing import RoutingReplay, RoutingReplayError, find_routers, route_changes
-
-COMMON = dict(vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-              max_position_embeddings=64, pad_token_id=0)
-HYBRID_ATTENTION = dict(layer_types=["linear_attention", "full_attention"], linear_num_value_heads=4,
-                        linear_num_key_heads=2, linear_key_head_dim=8, linear_value_head_dim=8)
-# name -> (model class, config class, config kwargs, reference gate-weight rule, reference expert kind)
-FAMILIES = {
-    "qwen3_moe": ("Qwen3MoeForCausalLM", "Qwen3MoeConfig", dict(
-        head_dim=8, num_experts=6, num_experts_per_tok=2, moe_intermediate_size=16, norm_topk_prob=True),
-        "softmax_gather", "glu"),
-    "qwen2_moe": ("Qwen2MoeForCausalLM", "Qwen2MoeConfig", dict(
-        num_experts=6, num_experts_per_tok=2, moe_intermediate_size=16, shared_expert_intermediate_size=16,
-        intermediate_size=32), "softmax_gather", "glu"),
-    "qwen3_next": ("Qwen3NextForCausalLM", "Qwen3NextConfig", dict(
-        head_dim=8, num_experts=6, num_experts_per_tok=2, moe_intermediate_size=16, shared_expert_intermediate_size=16,
-        intermediate_size=32, norm_topk_prob=True, **HYBRID_ATTENTION), "softmax_gather", "glu"),
-    "qwen3_5_moe": ("Qwen3_5MoeForCausalLM", "Qwen3_5MoeTextConfig", dict(
-        head_dim=8, num_experts=6, num_experts_per_tok=2, moe_intermediate_size=16, shared_expert_intermediate_size=16,
-        **HYBRID_ATTENTION), "softmax_gather_renorm", "glu"),
-    "mixtral": ("MixtralForCausalLM", "MixtralConfig", dict(
-        num_local_experts=6, num_experts_per_tok=2, intermediate_size=16), "softmax_gather_renorm", "glu"),
-    "olmoe": ("OlmoeForCausalLM", "OlmoeConfig", dict(
-        num_experts=6, num_experts_per_tok=2, intermediate_size=16), "softmax_gather", "glu"),
-    "deepseek_v3": ("DeepseekV3ForCausalLM", "DeepseekV3Config", dict(
-        num_key_value_heads=4, n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=16,
-        intermediate_size=32, n_shared_experts=1, first_k_dense_replace=0, n_group=2, topk_group=1, kv_lora_rank=8,
-        q_lora_rank=8, qk_rope_head_dim=4, qk_nope_head_dim=4, v_head_dim=8, routed_scaling_factor=2.5,
-        norm_topk_prob=True), "sigmoid_gather", "glu"),
-    "glm4_moe": ("Glm4MoeForCausalLM", "Glm4MoeConfig", dict(
-        head_dim=8, n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=16, intermediate_size=32,
-        n_shared_experts=1, first_k_dense_replace=0, n_group=2, topk_group=1, routed_scaling_factor=2.5,
-        norm_topk_prob=True), "sigmoid_gather", "glu"),
-    "gpt_oss": ("GptOssForCausalLM", "GptOssConfig", dict(
-        head_dim=8, num_local_experts=6, num_experts_per_tok=2, intermediate_size=16,
-        layer_types=["full_attention"] * 2), "softmax_selected", "gpt_oss"),
-    "granitemoe": ("GraniteMoeForCausalLM", "GraniteMoeConfig", dict(
-        num_local_experts=6, num_experts_per_tok=2, intermediate_size=16), "softmax_selected", "glu"),
-    "jamba": ("JambaForCausalLM", "JambaConfig", dict(
-        num_experts=6, num_experts_per_tok=2, intermediate_size=16, expert_layer_period=1, expert_layer_offset=0,
-        attn_layer_period=2, attn_layer_offset=1, mamba_d_state=4, mamba_d_conv=2, mamba_expand=2, mamba_dt_rank=4),
-        "softmax_gather", "glu"),
-    "ernie4_5_moe": ("Ernie4_5_MoeForCausalLM", "Ernie4_5_MoeConfig", dict(
-        num_experts=6, num_experts_per_tok=2, moe_intermediate_size=16, intermediate_size=32,
-        moe_layer_start_index=0, moe_layer_interval=1, moe_num_shared_experts=1), "softmax_gather_renorm", "glu"),
-    "hunyuan_v1_moe": ("HunYuanMoEV1ForCausalLM", "HunYuanMoEV1Config", dict(
-        head_dim=8, num_experts=6, moe_topk=2, intermediate_size=16), "softmax_gather_renorm", "glu"),
-    "minimax_m2": ("MiniMaxM2ForCausalLM", "MiniMaxM2Config", dict(
-        head_dim=8, num_local_experts=6, num_experts_per_tok=2, intermediate_size=16, bos_token_id=1,
-        eos_token_id=2), "sigmoid_gather_renorm", "glu"),
-    "lfm2_moe": ("Lfm2MoeForCausalLM", "Lfm2MoeConfig", dict(
-        num_experts=6, num_experts_per_tok=2, moe_intermediate_size=16, intermediate_size=32, num_dense_layers=0,
-        layer_types=["full_attention", "conv"]), "sigmoid_gather", "glu"),
-    "llama4": ("Llama4ForCausalLM", "Llama4TextConfig", dict(
-        head_dim=8, num_local_experts=6, num_experts_per_tok=2, intermediate_size=16, intermediate_size_mlp=32,
-        interleave_moe_layer_step=1), "sigmoid_selected", "llama4"),
-}
-
-
-def _config(name):
-    _, config_class, kwargs, _, _ = FAMILIES[name]
-    return getattr(transformers, config_class)(**{**COMMON, **kwargs})
-
-
-def _router_weight(router):
-    return router.wg.weight if hasattr(router, "wg") else router.weight
-
-
-def _build(name, seed=0, dtype=torch.float32, experts_implementation=None):
-    torch.manual_seed(seed)
-    config = _config(name)
-    if experts_implementation is not None:
-        config._experts_implementation = experts_implementation
-    model = getattr(transformers, FAMILIES[name][0])(config).to(dtype).eval()
-    with torch.no_grad():  # wider routers than the 0.02 init, so routing is not a near-tie
-        for _, router in find_routers(model):
-            weight = _router_weight(router)
-            weight.normal_(0, 1.0 / weight.shape[-1] ** 0.5)
-    return model
-
 
 def _batch(seed=0, batch=3, length=10):
     g = torch.Generator().manual_seed(seed)
@@ -105,7 +27,7 @@ def _perturb(model, scale=0.05, seed=1):
 
 @pytest.mark.parametrize("name", list(FAMILIES))
 def test_self_replay_is_exact_and_perturbed_replay_forces_experts(name):
-    model = _build(name)
+    model = build_family_model(name)
     ids, mask = _batch()
     rr = RoutingReplay(model)
     with torch.no_grad():
@@ -179,9 +101,9 @@ def _reference_expert(kind, experts, e, x, config):
 def _reference_routed(name, router, experts, hidden, forced):
     """Routed-expert output for every token: forced experts, weights from the current (live) router logits."""
     _, _, _, rule, kind = FAMILIES[name]
-    config = _config(name)
+    config = family_config(name)
     flat = hidden.reshape(-1, hidden.shape[-1])
-    logits = flat.float() @ _router_weight(router).float().T
+    logits = flat.float() @ router_weight(router).float().T
     if getattr(router, "bias", None) is not None:
         logits = logits + router.bias
     rows = []
@@ -223,7 +145,7 @@ def _swap_in_reference(name, model, rr, recording):
 
 def _recorded_then_perturbed(name="qwen3_moe"):
     """A tiny model, its recording on `_batch()`, then weights perturbed so natural routing drifts."""
-    model = _build(name)
+    model = build_family_model(name)
     ids, mask = _batch()
     rr = RoutingReplay(model)
     with torch.no_grad(), rr.record() as rec:
@@ -247,7 +169,7 @@ def test_replay_matches_naive_reference_with_gradients(name):
     model.train()
     loss, grads = _replayed_loss_and_grads(model, ids, mask, rr, rec)
     assert float(rr.drift.max()) > 0  # the perturbation moved routing, so replay had something to force
-    router_params = {n for n, p in model.named_parameters() if any(p is _router_weight(r) for r in rr.routers)}
+    router_params = {n for n, p in model.named_parameters() if any(p is router_weight(r) for r in rr.routers)}
     assert router_params and all(grads[n].abs().sum() > 0 for n in router_params)  # the router still learns
 
     undo = _swap_in_reference(name, model, rr, rec.indices)
@@ -338,7 +260,7 @@ def test_errors_are_clear():
 
     with pytest.raises(RoutingReplayError, match="no MoE router"):
         RoutingReplay(Qwen3ForCausalLM(Qwen3Config(**COMMON, head_dim=8, intermediate_size=16)))
-    model = _build("qwen3_moe")
+    model = build_family_model("qwen3_moe")
     rr = RoutingReplay(model)
     ids, mask = _batch()
     with torch.no_grad(), rr.record() as rec:
@@ -357,7 +279,7 @@ def test_errors_are_clear():
 def test_changed_router_formula_is_detected(monkeypatch):
     from trl_gspo.routing import formulas
 
-    model = _build("qwen3_moe")
+    model = build_family_model("qwen3_moe")
     broken = formulas.GateFormula("wrong", lambda router, logits, idx: torch.ones(idx.shape))
     monkeypatch.setitem(formulas.KNOWN_ROUTERS, "Qwen3MoeTopKRouter", formulas.RouterFamily(broken))
     rr = RoutingReplay(model)
@@ -369,7 +291,7 @@ def test_changed_router_formula_is_detected(monkeypatch):
 
 def test_router_that_does_not_choose_experts_is_refused():
     """transformers 5.20's Jamba router was a bare Linear (top-k ran in the MoE block): nothing replay can force."""
-    model = _build("qwen3_moe")
+    model = build_family_model("qwen3_moe")
     for router in find_routers(model):
         del router[1].top_k
     with pytest.raises(RoutingReplayError, match="only computes logits"):
@@ -380,7 +302,7 @@ def test_router_that_does_not_choose_experts_is_refused():
 def test_changed_router_output_layout_is_detected(phase):
     """transformers 5.20's GraniteMoe router returned (indices, weights, logits), the reverse of 5.23's order. A
     release that reorders router outputs must fail with a clear error, in recording and in replay."""
-    model = _build("qwen3_moe")
+    model = build_family_model("qwen3_moe")
     rr = RoutingReplay(model)
     ids, mask = _batch()
     with torch.no_grad(), rr.record() as rec:
@@ -413,13 +335,13 @@ def test_replay_under_every_experts_implementation_and_dtype(name, implementatio
         with rr.replay(indices):
             loss = model(input_ids=ids, attention_mask=mask, labels=ids).loss
             loss.backward()
-        router_grad = torch.cat([_router_weight(r).grad.flatten().float() for r in rr.routers])
+        router_grad = torch.cat([router_weight(r).grad.flatten().float() for r in rr.routers])
         return loss.detach().float(), router_grad
 
     # float32 eager replay of the same weights is the yardstick
-    reference_model = _build(name)
+    reference_model = build_family_model(name)
     reference_rr = RoutingReplay(reference_model)
-    model = _build(name, dtype=dtype, experts_implementation=implementation)
+    model = build_family_model(name, dtype=dtype, experts_implementation=implementation)
     rr = RoutingReplay(model)
     with torch.no_grad():
         with rr.record() as rec:
@@ -453,13 +375,13 @@ def test_unsupported_routers_are_refused_with_the_reason(monkeypatch):
                                             num_experts_per_tok=2, intermediate_size=16))
     with pytest.raises(RoutingReplayError, match="PhimoeTopKRouter cannot be replayed.*sparsemixer"):
         RoutingReplay(phimoe)
-    model = _build("qwen3_moe")
+    model = build_family_model("qwen3_moe")
     # what from_pretrained(..., use_kernels=True) reports (the real setter needs the `kernels` package)
     monkeypatch.setattr(type(model), "use_kernels", property(lambda self: True))
     with pytest.raises(RoutingReplayError, match="use_kernels"):
         RoutingReplay(model)
     monkeypatch.undo()
-    model = _build("qwen3_moe")
+    model = build_family_model("qwen3_moe")
     model.model.layers[1].mlp.gate.top_k = 3
     with pytest.raises(RoutingReplayError, match="top_k, num_experts"):
         RoutingReplay(model)
@@ -487,7 +409,7 @@ def test_aux_loss_under_replay_balances_the_natural_choices():
     with rr.replay(rec.indices):
         out = model(input_ids=ids, attention_mask=mask, output_router_logits=True)
         out.aux_loss.backward()
-    assert all(_router_weight(r).grad.abs().sum() > 0 for r in rr.routers)
+    assert all(router_weight(r).grad.abs().sum() > 0 for r in rr.routers)
     logits = [layer.detach() for layer in out.router_logits]
     natural = [layer.topk(rr.top_k, dim=-1).indices for layer in logits]
     replayed = [rec.indices[:, :, i].reshape(-1, rr.top_k).long() for i in range(len(logits))]
@@ -528,7 +450,7 @@ def test_route_changes_compares_expert_sets_per_token_and_layer():
 
 
 def test_route_changes_agrees_with_replay_drift_on_a_model():
-    model = _build("qwen3_moe")
+    model = build_family_model("qwen3_moe")
     ids, mask = _batch()
     rr = RoutingReplay(model)
     with torch.no_grad(), rr.record() as before:

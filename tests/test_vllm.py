@@ -13,7 +13,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -22,7 +21,8 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
-from support.helpers import cpu_env
+from support.helpers import cpu_env, free_port
+from support.vllm_servers import serving
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow,
               pytest.mark.skipif(importlib.util.find_spec("vllm") is None,
@@ -36,15 +36,9 @@ sys.path.insert(0, str(SCRIPT.parent))  # vllm_run (the test model)
 MIN_AGREEMENT = 0.95
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def _two_processes(config_file):
     return [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(config_file), "--num_processes",
-            "2", "--main_process_port", str(_free_port())]
+            "2", "--main_process_port", str(free_port())]
 
 
 def _build_model_dir(path):
@@ -76,7 +70,7 @@ def _run(out_dir, launch=(), expect_failure=False, bind=None, model_dir=None, en
     if not vllm_default_compile:
         extra["VLLM_USE_AOT_COMPILE"] = "0"
     extra.update(env or {})
-    master_port = str(_free_port())
+    master_port = str(free_port())
     # tensor parallel: vLLM's CPU workers create /dev/shm/<group>-cpushm_<rank>, here named after this run
     extra["TRL_GSPO_TEST_SHM_TAG"] = shm_tag = f"trl-gspo-test-{master_port}"
     # Built here, before any rank starts, so ranks only read it.
@@ -293,46 +287,6 @@ def test_tensor_parallel_2_under_zero3_syncs_every_round(tmp_path):
     assert max(h["sampling/abs_log_ratio_mean"] for h in rounds) < 0.05
 
 
-@contextlib.contextmanager
-def _serving(root, model_dir, max_model_len=128, started=None, extra=()):
-    """A real vLLM server, `trl-gspo vllm-serve --model MODEL_DIR` on loopback, until the block ends; yields its URL.
-    Its processes load tests/support/vllm_cpu_engine.py as a vLLM plugin (route capture in the CPU MoE kernel).
-    `started`: a list that receives the server's process (its process group: the server and its engine); `extra`: more
-    arguments.
-    """
-    from support import vllm_cpu_engine
-
-    port = _free_port()
-    root.mkdir(parents=True, exist_ok=True)
-    log_path = root / "server.log"
-    with open(log_path, "w") as log:
-        server = subprocess.Popen(
-            [sys.executable, "-m", "trl_gspo.launch.cli", "vllm-serve", "--model", str(model_dir),
-             "--host", "127.0.0.1", "--port", str(port), "--max_model_len", str(max_model_len),
-             "--enforce_eager", "true", *extra],
-            stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-            env=cpu_env(VLLM_CPU_KVCACHE_SPACE="1", TOKENIZERS_PARALLELISM="false",
-                        PYTHONPATH=vllm_cpu_engine.write_plugin(root / "plugin")))
-        if started is not None:
-            started.append(server)
-        url = f"http://127.0.0.1:{port}"
-        try:
-            deadline = time.monotonic() + 600
-            while True:
-                try:
-                    urllib.request.urlopen(url + "/health", timeout=5)
-                    break
-                except OSError:
-                    if server.poll() is not None or time.monotonic() > deadline:
-                        pytest.fail("the vLLM server did not start:\n" + log_path.read_text()[-4000:])
-                    time.sleep(2)
-            yield url
-        finally:
-            with contextlib.suppress(ProcessLookupError):  # a test may have killed it
-                os.killpg(server.pid, signal.SIGTERM)
-            server.wait(timeout=60)
-
-
 @pytest.fixture(scope="module")
 def vllm_server(tmp_path_factory):
     """A real vLLM server (`trl-gspo vllm-serve`, loopback only) serving the test model with its routers perturbed:
@@ -344,7 +298,7 @@ def vllm_server(tmp_path_factory):
     from vllm_run import perturbed_router_copy
 
     perturbed_router_copy(trainer_dir, served_dir)
-    with _serving(root, served_dir) as url:
+    with serving(root, served_dir) as url:
         yield url, trainer_dir
 
 
@@ -420,7 +374,7 @@ def plain_vllm_server(tmp_path_factory):
     """A real vLLM server serving exactly the trainer's starting model. Yields (url, model dir)."""
     root = tmp_path_factory.mktemp("plain_server")
     model_dir = _build_model_dir(root / "model")
-    with _serving(root, model_dir) as url:
+    with serving(root, model_dir) as url:
         yield url, model_dir
 
 
@@ -434,7 +388,7 @@ def test_a_server_killed_mid_run_stops_training_with_one_error_and_the_run_resum
     run_dir, servers = tmp_path / "run", []
     options = dict(model_dir=model_dir, routing_replay="sampler", learning_rate=0.0, max_steps=12,
                    save_strategy="steps", save_steps=4)
-    with _serving(tmp_path / "dying", model_dir, started=servers) as dying_url:
+    with serving(tmp_path / "dying", model_dir, started=servers) as dying_url:
         started = time.monotonic()
         output = _run(run_dir, server=dying_url, expect_failure=True, kill_server_at_round=2,
                       env={"TRL_GSPO_TEST_SERVER_PGID": str(servers[0].pid)}, **options)
@@ -455,7 +409,7 @@ def small_block_server(tmp_path_factory):
     root = tmp_path_factory.mktemp("small_block_server")
     model_dir = _build_model_dir(root / "model")
     started = []
-    with _serving(root, model_dir, started=started, extra=("--block-size", "32")) as url:
+    with serving(root, model_dir, started=started, extra=("--block-size", "32")) as url:
         yield url, model_dir, started[0]
 
 
@@ -570,7 +524,7 @@ def test_trl_gspo_vllm_serve_serves_a_dense_model_without_routes(tmp_path):
     model_dir = tmp_path / "dense"
     Qwen3ForCausalLM(config).save_pretrained(model_dir)
     tokenizer.save_pretrained(model_dir)
-    with _serving(tmp_path, model_dir) as url:
+    with serving(tmp_path, model_dir) as url:
         assert "config names no experts (a dense model)" in (tmp_path / "server.log").read_text()
         answer = requests.post(f"{url}/v1/completions", json={
             "model": str(model_dir), "prompt": [tokenizer.encode("1+2=")], "max_tokens": 4, "return_token_ids": True})
@@ -615,7 +569,7 @@ def vllm_tool_server(tmp_path_factory, tool_model_dir):
     from vllm_run import perturbed_router_copy
 
     root = tmp_path_factory.mktemp("tool_server")
-    with _serving(root, perturbed_router_copy(tool_model_dir, root / "served"), max_model_len=256) as url:
+    with serving(root, perturbed_router_copy(tool_model_dir, root / "served"), max_model_len=256) as url:
         yield url, tool_model_dir
 
 

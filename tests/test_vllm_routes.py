@@ -1,66 +1,22 @@
 """R3 from vLLM, contract-tested without vLLM: a fake engine written to vLLM's documented output types
 (`RequestOutput.prompt_token_ids`, `.outputs`; `CompletionOutput.index, text, token_ids, cumulative_logprob,
 logprobs, routed_experts, finish_reason`, routed_experts `[prompt_len + completion_len - 1, layers, top_k]`, checked
-in vLLM 0.22.0's wheel) whose routes are recorded from the HF model itself."""
+in vLLM 0.22.0's wheel) whose routes are recorded from the HF model itself (tests/support/fake_vllm.py)."""
 
 import copy
-import json as jsonlib
-from dataclasses import dataclass, field
 from types import SimpleNamespace
 
 import numpy as np
 import pytest
 import torch
+from support.fake_vllm import COMPLETIONS, PROMPTS, FakeLLM, fake_server
 
 import trl_gspo.sampling.engine as vllm_engine
-from trl_gspo.sampling import route_wire
 from trl_gspo.quickstart.model import build_model
-from trl_gspo.routing import RoutingReplay
 from trl_gspo.routing.rollout import has_route, pad_routes_like
 from trl_gspo.sampling.engine import check_vllm_routes, engine_dtype, engine_options, warn_on_dtype_gap
 from trl_gspo.sampling.routes import capture_outputs, capture_routes, routes_from_server, routes_from_vllm, slice_routes
 from trl_gspo.sampling.server import capture_server_choices
-
-
-@dataclass
-class CompletionOutput:  # vllm.outputs.CompletionOutput's fields, in its order
-    index: int
-    text: str
-    token_ids: list
-    cumulative_logprob: float | None
-    logprobs: list | None
-    routed_experts: np.ndarray | None = None
-    finish_reason: str | None = "stop"
-
-
-@dataclass
-class RequestOutput:
-    prompt_token_ids: list
-    outputs: list = field(default_factory=list)
-
-
-class FakeLLM:
-    """Answers `generate` with fixed completions and the routes the HF model takes on them, as vLLM would."""
-
-    def __init__(self, model, completions, **engine_kwargs):
-        self.model, self.completions, self.engine_kwargs = model, completions, engine_kwargs
-        self.replay = RoutingReplay(model)
-
-    def generate(self, prompts, sampling_params=None, use_tqdm=False):
-        outputs = []
-        for prompt, completion in zip(prompts, self.completions):
-            ids = torch.tensor([prompt["prompt_token_ids"] + completion])
-            with torch.no_grad(), self.replay.record() as recorded:
-                self.model(input_ids=ids)
-            routes = recorded.indices[0, :-1].numpy().astype(np.int32)  # the last token is never fed forward
-            outputs.append(RequestOutput(prompt["prompt_token_ids"], [CompletionOutput(
-                0, "", completion, None, None,
-                routes if self.engine_kwargs.get("enable_return_routed_experts") else None)]))
-        return outputs
-
-
-PROMPTS = [[5, 6, 7], [8, 9], [10, 11, 12, 13]]
-COMPLETIONS = [[20, 21, 2], [22], [23, 24, 25, 26, 2]]
 
 
 def _engine(tokenizer, **kwargs):
@@ -177,16 +133,6 @@ def test_vllm_is_found_by_its_import_name(monkeypatch):
 
 
 # ---------------------------------------------------------------- tensor parallel and server mode (docs/sampling.md)
-def _npy_base64(array: np.ndarray) -> str:
-    """What vLLM's server puts in a choice's `routed_experts`: base64 of the array's `.npy` bytes."""
-    import base64
-    import io
-
-    buffer = io.BytesIO()
-    np.save(buffer, array, allow_pickle=False)
-    return base64.b64encode(buffer.getvalue()).decode("ascii")
-
-
 def _group_outputs(tokenizer):
     """What every engine of a TP group of 2 returns: the outputs of both ranks' prompts, rank 0's first. Rank 0's
     prompts are PROMPTS[:2], rank 1's PROMPTS[2:] plus PROMPTS[0] again (identical prompts on two ranks)."""
@@ -223,50 +169,12 @@ def test_a_slice_that_is_not_trls_is_refused(tokenizer):
         slice_routes(everything, 3, [1, 3])  # past the end: fewer routes than completions
 
 
-class FakeSession:
-    """A `requests.Session` whose POST to /v1/completions answers like vLLM's server (prompt-major choices, each with
-    prompt_token_ids, token_ids and base64 routed_experts), from the fake engine's outputs."""
-
-    def __init__(self, llm, n, with_routes=True, framed=True):
-        self.llm, self.n, self.with_routes, self.framed, self.posts = llm, n, with_routes, framed, []
-
-    def post(self, url, json=None, headers=None, **kwargs):
-        """As vLLM's server; as `trl-gspo vllm-serve` (routes framed as bytes, route_wire.py) when `framed` and the
-        request asks for it."""
-        self.posts.append(url)
-        choices, arrays = [], []
-        framed = self.framed and self.with_routes and route_wire.HEADER in (headers or {})
-        if url.endswith("/v1/completions"):
-            prompts = [p for p in json["prompt"] for _ in range(self.n)]
-            for request in self.llm.generate([{"prompt_token_ids": p} for p in prompts]):
-                completion = request.outputs[0]
-                routes = completion.routed_experts.astype(np.uint8)
-                arrays.append(routes)
-                routes = f"#{len(arrays) - 1}" if framed else _npy_base64(routes) if self.with_routes else None
-                choices.append({"prompt_token_ids": request.prompt_token_ids, "token_ids": completion.token_ids,
-                                "routed_experts": routes})
-        answer = {"choices": choices}
-        if framed:
-            content = b"".join(route_wire.encode_frame(jsonlib.dumps(answer).encode(), arrays))
-            return SimpleNamespace(ok=True, headers={"content-type": route_wire.CONTENT_TYPE}, content=content,
-                                   raise_for_status=lambda: None)
-        return SimpleNamespace(ok=True, headers={"content-type": "application/json"}, json=lambda: answer,
-                               raise_for_status=lambda: None)
-
-
-def _server(tokenizer, with_routes=True, framed=True):
-    llm = FakeLLM(build_model(tokenizer, seed=0).eval(), [COMPLETIONS[0]] * 2 + [COMPLETIONS[2]] * 2,
-                  enable_return_routed_experts=True)
-    return llm, SimpleNamespace(session=FakeSession(llm, n=2, with_routes=with_routes, framed=framed),
-                                base_url="http://h", model="m")
-
-
 @pytest.mark.parametrize("framed", [True, False], ids=["bytes", "json"])
 def test_server_routes_follow_trls_process_slice(tokenizer, framed, monkeypatch):
     """Two processes: the main process receives the server's answer (route frame or vLLM's JSON), keeps its slice and
     sends rank 1 only rank 1's (token ids pickled; framed routes as one flat tensor, JSON routes as their text), and
     each rank gets exactly the routes of the completions TRL keeps for it."""
-    llm, client = _server(tokenizer, framed=framed)
+    llm, client = fake_server(tokenizer, framed=framed)
     prompts = [PROMPTS[0], PROMPTS[2]]  # unique prompts, 2 completions each: 4 completions, 2 per process
     expected = routes_from_vllm(llm.generate([{"prompt_token_ids": p} for p in PROMPTS[:1] * 2 + PROMPTS[2:] * 2]))
     objects, tensors = [], []
@@ -314,7 +222,7 @@ def test_server_is_asked_for_routes_before_training(tokenizer):
     """GSPOTrainer's construction-time probe: one token from the server; a server without routes is refused then."""
     from trl_gspo.sampling.engine import check_server_returns_routes
 
-    llm, client = _server(tokenizer)
+    llm, client = fake_server(tokenizer)
     client.base_url, client.model = "http://h", "m"
     check_server_returns_routes(client)
     assert client.session.posts == ["http://h/v1/completions"]
@@ -365,7 +273,7 @@ def test_trl_gspo_vllm_serve_leaves_unreadable_configs_to_vllm(tmp_path):
 
 
 def test_server_without_routes_names_the_command(tokenizer):
-    llm, client = _server(tokenizer, with_routes=False)
+    llm, client = fake_server(tokenizer, with_routes=False)
     with capture_server_choices(client) as choices:
         client.session.post("http://h/v1/completions", json={"prompt": [PROMPTS[0]]})
         client.session.post("http://h/v1/models", json={})  # other endpoints are not kept
@@ -399,7 +307,7 @@ def test_a_server_of_another_moe_layout_is_refused(tokenizer):
     """The probe's routes hold the served model's MoE layers x top_k: another model's are refused at construction."""
     from trl_gspo.sampling.engine import check_server_returns_routes, moe_layout
 
-    llm, client = _server(tokenizer)
+    llm, client = fake_server(tokenizer)
     client.base_url, client.model = "http://h", "m"
     layout = moe_layout(llm.model)
     assert layout == (2, 2)  # the tiny Qwen3-MoE: 2 MoE layers, top-2

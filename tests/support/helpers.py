@@ -1,11 +1,12 @@
 """Helpers shared by the tests and their subprocess scripts (tests/scripts/): a tiny config, a toy dataset and reward,
-the smallest offline recipe, a subprocess environment without accelerators.
+the smallest offline recipe, a subprocess environment without accelerators, a free loopback port.
 
 Importing this module sets the test environment first (hub, transformers and datasets offline, wandb off, at most two
 torch threads): tests/conftest.py imports it, and so does each script that imports a helper.
 """
 
 import os
+import socket
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
@@ -35,6 +36,12 @@ def cpu_env(**extra) -> dict:
     DeepSpeed's accelerator choice) and the hub offline, so the child runs as on a machine without a GPU, whatever
     this machine has. Extra variables (OMP_NUM_THREADS, PYTHONPATH, ...) are added last."""
     return dict(os.environ, CUDA_VISIBLE_DEVICES="", DS_ACCELERATOR="cpu", HF_HUB_OFFLINE="1", **extra)
+
+
+def free_port() -> int:
+    with socket.socket() as sock:  # a fixed default port can still be held by an earlier run's processes
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
 
 
 def skip_without_math_verify(reward_funcs) -> None:
