@@ -176,6 +176,7 @@ def _keep_sentinel(routes, garbled):
 def test_r3_refuses_routes_that_cannot_be_the_samplers(garble, refusal, tmp_path, tokenizer, monkeypatch):
     _garble(monkeypatch, garble)
     trainer = _trainer(tokenizer, tmp_path, loss_type="gspo", max_steps=1)
-    with pytest.raises(rollout.RoutingReplayError, match=refusal):
+    with pytest.raises(rollout.RoutingReplayError, match=refusal) as refused:
         trainer.train()
+    print(refused.value)  # the agreement it measured, for docs/sampling.md (`-rP` shows it)
     assert trainer.state.global_step == 0  # refused before any update

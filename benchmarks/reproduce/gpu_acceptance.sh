@@ -9,25 +9,9 @@
 set -u
 OUT_DIR=${1:-outputs/gpu_acceptance}
 COMMIT=${2:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
-mkdir -p "$OUT_DIR"
-started=$(date +%s)
-stamp() { echo "== [$(( $(date +%s) - started )) s] $*"; }
-
-if [ -d .whl ]; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl || exit 1
-  export PYTHONPATH=/tmp/site:$PWD
-fi
-python3 -m pip install -q --no-deps --no-build-isolation --no-compile -e . >/dev/null 2>&1 \
-  || echo "editable install failed: the package runs from PYTHONPATH" >&2
-export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
-{
-  echo "commit $COMMIT"; date -u; nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
-  python3 -c "import torch, transformers, trl, accelerate, peft, deepspeed, datasets; \
-print('torch', torch.__version__, 'cuda', torch.version.cuda, torch.cuda.get_device_name(0)); \
-print('transformers', transformers.__version__, 'trl', trl.__version__, 'accelerate', accelerate.__version__, \
-'peft', peft.__version__, 'deepspeed', deepspeed.__version__, 'datasets', datasets.__version__)" 2>&1 | grep -v Warn
-  nproc; free -g | head -2
-} > "$OUT_DIR/env.txt" 2>&1
+# shellcheck source=benchmarks/reproduce/_gpu_env.sh
+source "$(dirname "$0")/_gpu_env.sh"
+write_env > "$OUT_DIR/env.txt" 2>&1
 
 # Phase 1: the GPU to itself.
 {

@@ -193,7 +193,7 @@ def run(script_args, training_args, model_args, dataset_args) -> "GSPOTrainer": 
     if on_gloo:
         # A gloo worker thread may still be freeing the last all_gather, which needs the GIL; if the interpreter is
         # finalizing by then, torch aborts the process (SIGABRT) after a successful run. Yielding the GIL briefly
-        # lets it finish: 0 aborts in 80 two-process launches, against about 1 in 25 without.
+        # lets it finish (docs/recipes.md, 'Known issue on CPU').
         time.sleep(0.1)
     return trainer
 
