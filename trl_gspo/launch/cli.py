@@ -18,6 +18,7 @@ import shlex
 import sys
 
 from ..checkpoints import check_resume_before_launch
+from ..config import BF16DeviceError
 from . import launching, multinode
 from .checks import check_launch, check_recipe
 from .recipe import (BUILTIN_PREFIX, COLD_START_LAUNCHERS, COLD_START_NOTE_ENV, GSPOScriptArguments,  # noqa: F401
@@ -95,7 +96,7 @@ def main(argv: list[str] | None = None) -> int:
         except ValueError as err:
             # A GPU recipe (bf16) cannot build its TrainingArguments on a machine without a GPU; a dry run still
             # checks every key and value there, with the hardware check switched off.
-            if "bf16/gpu" not in str(err):
+            if not isinstance(err, BF16DeviceError) and "bf16/gpu" not in str(err):
                 raise
             if "--dry_run" not in argv:
                 raise RecipeError("`bf16: true` needs a GPU, and this machine has none. Fix: run on a GPU machine; "
