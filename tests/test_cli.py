@@ -196,7 +196,9 @@ def test_builtin_cold_start_under_deepspeed_runs_in_one_process_before_the_launc
     assert cold_start[4:] == ["--config", recipe, *launcher]
     initial = str(tmp_path / "o" / "initial_model")
     assert launch[-4:] == ["--model_name_or_path", initial, "--sft_steps", "0"]  # last: they win over the recipe
-    assert "accelerate.commands.launch" in launch and "trl_gspo.launch.train" in launch
+    # accelerate's launch, run through trl_gspo.launch.launching (its harmless defaults warning filtered: quiet.py)
+    assert launch[1:3] == ["-m", "trl_gspo.launch.launching"] and "trl_gspo.launch.train" in launch
+    assert float(env["TRL_GSPO_COLD_START_SECONDS"]) >= 0 and float(env["TRL_GSPO_COMMAND_STARTED"]) > 0
     assert env["TRL_GSPO_COLD_START_BEFORE_LAUNCH"] == f"cold start: ran before the DeepSpeed launch, in one process " \
                                                       f"(sft_steps 5): {initial}"
     out = capsys.readouterr().out

@@ -98,9 +98,10 @@ def test_an_unreachable_hub_fails_the_readme_dry_run_in_seconds(tmp_path):
 
     from support.helpers import cpu_env
 
-    env = {k: v for k, v in cpu_env().items() if k not in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE",
-                                                          "HF_DATASETS_OFFLINE") and not k.lower().endswith("_proxy")}
-    env.update(HF_ENDPOINT=f"http://127.0.0.1:{_closed_port()}", HF_HOME=str(tmp_path / "hf"))  # nothing cached
+    env = cpu_env(HF_ENDPOINT=f"http://127.0.0.1:{_closed_port()}", HF_HOME=str(tmp_path / "hf"))  # nothing cached
+    for name in [name for name in env if name in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", "HF_DATASETS_OFFLINE")
+                 or name.lower().endswith("_proxy")]:
+        del env[name]
     root = Path(__file__).resolve().parents[1]
     started = time.perf_counter()
     result = subprocess.run([sys.executable, "-m", "trl_gspo.launch.cli", "--config",

@@ -33,6 +33,10 @@ CONVERSATIONAL_BUILTIN_DATASETS = ("tool_addition",)
 COLD_START_LAUNCHERS = {"DEEPSPEED": "DeepSpeed", "FSDP": "FSDP"}
 # Where the cold start run before a DeepSpeed launch tells the launched processes what it did, for their report.
 COLD_START_NOTE_ENV = "TRL_GSPO_COLD_START_BEFORE_LAUNCH"
+# ... and how many seconds it took (absent when it was reused).
+COLD_START_SECONDS_ENV = "TRL_GSPO_COLD_START_SECONDS"
+# When the `trl-gspo` command started (seconds since the epoch): the run summary's wall time counts from there.
+COMMAND_STARTED_ENV = "TRL_GSPO_COMMAND_STARTED"
 
 
 class RecipeError(ValueError):
