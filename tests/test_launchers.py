@@ -179,13 +179,14 @@ def test_third_party_warnings_a_run_cannot_act_on_are_filtered_by_their_text(cap
     assert [str(w.message)[:16] for w in caught] == ["`other_option` i", "`gradient_checkp"]  # other text or category
 
     def launch_warning(*lines):
-        record = logging.LogRecord(quiet.ACCELERATE_LAUNCH_LOGGER, logging.WARNING, __file__, 1, "\n".join(
-            [quiet.ACCELERATE_DEFAULTS_HEADER, *lines, "To avoid this warning pass in values for each of the problematic "
-             "parameters or run `accelerate config`."]), None, None)
+        footer = "To avoid this warning pass in values for each of the problematic parameters or run `accelerate config`."
+        record = logging.LogRecord(quiet.ACCELERATE_LAUNCH_LOGGER, logging.WARNING, __file__, 1,
+                                   "\n".join([quiet.ACCELERATE_DEFAULTS_HEADER, *lines, footer]), None, None)
         return record.getMessage() if logging.getLogger(quiet.ACCELERATE_LAUNCH_LOGGER).filter(record) else None
 
     harmless = ["\t`--num_processes` was set to a value of `0`", "\t`--num_machines` was set to a value of `1`",
-                "\t`--mixed_precision` was set to a value of `'no'`", "\t`--dynamo_backend` was set to a value of `'no'`"]
+                "\t`--mixed_precision` was set to a value of `'no'`",
+                "\t`--dynamo_backend` was set to a value of `'no'`"]
     assert launch_warning(*harmless) is None
     several = "\t\tMore than one GPU was found, enabling multi-GPU training."
     kept = launch_warning("\t`--num_processes` was set to a value of `4`", several, *harmless[1:])

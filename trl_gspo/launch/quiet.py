@@ -26,7 +26,8 @@ FILTERED_WARNINGS = (
      r"instead\.", FutureWarning),
 )
 
-ACCELERATE_DEFAULTS_HEADER = "The following values were not passed to `accelerate launch` and had defaults used instead:"
+ACCELERATE_DEFAULTS_HEADER = ("The following values were not passed to `accelerate launch` and had defaults used "
+                              "instead:")
 ACCELERATE_DEFAULTS_FOOTER = "To avoid this warning pass in values"
 # The lines of that message whose defaults change nothing for a trl-gspo launch.
 HARMLESS_DEFAULTS = re.compile(r"\s*`--(num_processes` was set to a value of `[01]|num_machines` was set to a value of "
