@@ -179,7 +179,8 @@ def test_third_party_warnings_a_run_cannot_act_on_are_filtered_by_their_text(cap
     assert [str(w.message)[:16] for w in caught] == ["`other_option` i", "`gradient_checkp"]  # other text or category
 
     def launch_warning(*lines):
-        footer = "To avoid this warning pass in values for each of the problematic parameters or run `accelerate config`."
+        footer = ("To avoid this warning pass in values for each of the problematic parameters or run `accelerate "
+                  "config`.")
         record = logging.LogRecord(quiet.ACCELERATE_LAUNCH_LOGGER, logging.WARNING, __file__, 1,
                                    "\n".join([quiet.ACCELERATE_DEFAULTS_HEADER, *lines, footer]), None, None)
         return record.getMessage() if logging.getLogger(quiet.ACCELERATE_LAUNCH_LOGGER).filter(record) else None
