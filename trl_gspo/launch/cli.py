@@ -22,9 +22,9 @@ from ..checkpoints import check_resume_before_launch
 from ..config import BF16DeviceError
 from . import launching, multinode, quiet
 from .checks import check_launch, check_recipe
-from .recipe import (BUILTIN_PREFIX, COLD_START_LAUNCHERS, COLD_START_NOTE_ENV,  # noqa: F401
-                     COLD_START_SECONDS_ENV, COMMAND_STARTED_ENV, GSPOScriptArguments, RecipeError,
-                     cold_start_before_launch, describe, launch_options, launcher_type, make_parser, parse_recipe)
+from .recipe import (BUILTIN_PREFIX, COLD_START_LAUNCHERS, COLD_START_NOTE_ENV, GSPOScriptArguments,  # noqa: F401
+                     COLD_START_SECONDS_ENV, COMMAND_STARTED_ENV, RecipeError, cold_start_before_launch, describe,
+                     launch_options, launcher_type, make_parser, parse_recipe)
 from .rewards import resolve_rewards
 from .tool_registry import resolve_tools, tool_budget_warning
 
