@@ -76,6 +76,31 @@ def test_unknown_command_line_flag(tmp_path, capsys):
     assert "unknown key `learnig_rate`" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("where", ["recipe", "command line"])
+@pytest.mark.parametrize("typo,meant", [("num_generation", "num_generations"), ("learnig_rate", "learning_rate"),
+                                        ("num_proceses", "num_processes"),  # an `accelerate launch` option
+                                        ("accelerate_confg", "accelerate_config")])
+def test_an_unknown_key_names_the_nearest_valid_ones(tmp_path, capsys, where, typo, meant):
+    """A misspelt key in the recipe or on the command line is refused with the valid names nearest to it; on the
+    command line never taken as an abbreviation (argparse would call `--num_generation` ambiguous, and take
+    `--learning_rat` for learning_rate)."""
+    extra, argv = (f"{typo}: 4\n", []) if where == "recipe" else ("", [f"--{typo}", "4"])
+    path = _recipe(tmp_path, BASE.format(out=tmp_path / "o") + extra)
+    assert main(["--config", path, *argv, "--dry_run", "true"]) == 2
+    err = capsys.readouterr().err
+    assert f"unknown key `{typo}` in the {where} (did you mean `{meant}`?" in err, err
+    assert f"Fix: rename it to `{meant}`" in err and err.count("\n") == 1
+
+
+def test_a_key_prefix_is_no_abbreviation_and_a_far_key_gets_no_guess(tmp_path, capsys):
+    path = _recipe(tmp_path, BASE.format(out=tmp_path / "o"))
+    assert main(["--config", path, "--learning_rat", "1e-3", "--dry_run", "true"]) == 2  # not learning_rate
+    assert "unknown key `learning_rat` in the command line (did you mean `learning_rate`?" in capsys.readouterr().err
+    assert main(["--config", path, "--zzz", "1"]) == 2
+    err = capsys.readouterr().err
+    assert "unknown key `zzz`" in err and "did you mean" not in err and "trl-gspo --help" in err
+
+
 def test_dry_run_prints_resolved_config(tmp_path, capsys):
     path = _recipe(tmp_path, BASE.format(out=tmp_path / "o"))
     assert main(["--config", path, "--dry_run", "true"]) == 0
@@ -171,7 +196,9 @@ def test_builtin_cold_start_under_deepspeed_runs_in_one_process_before_the_launc
     assert cold_start[4:] == ["--config", recipe, *launcher]
     initial = str(tmp_path / "o" / "initial_model")
     assert launch[-4:] == ["--model_name_or_path", initial, "--sft_steps", "0"]  # last: they win over the recipe
-    assert "accelerate.commands.launch" in launch and "trl_gspo.launch.train" in launch
+    # accelerate's launch, run through trl_gspo.launch.launching (its harmless defaults warning filtered: quiet.py)
+    assert launch[1:3] == ["-m", "trl_gspo.launch.launching"] and "trl_gspo.launch.train" in launch
+    assert float(env["TRL_GSPO_COLD_START_SECONDS"]) >= 0 and float(env["TRL_GSPO_COMMAND_STARTED"]) > 0
     assert env["TRL_GSPO_COLD_START_BEFORE_LAUNCH"] == f"cold start: ran before the DeepSpeed launch, in one process " \
                                                       f"(sft_steps 5): {initial}"
     out = capsys.readouterr().out

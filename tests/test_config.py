@@ -98,3 +98,27 @@ def test_token_advantages_override_accepted_under_gspo_token():
     cfg = GSPOConfig(**CPU, loss_type="gspo_token")
     with pytest.raises(OSError):  # passes our check and reaches model loading
         _TokenCreditTrainer("/nonexistent/model", digit_reward, args=cfg, train_dataset=toy_dataset())
+
+
+@pytest.mark.parametrize("config", ["GSPOConfig", "AsyncGSPOConfig"])
+@pytest.mark.parametrize("options,option", [(dict(), "bf16"), (dict(bf16=True), "bf16"),
+                                            (dict(bf16=False, bf16_full_eval=True), "bf16_full_eval")])
+def test_bf16_without_a_gpu_is_one_line_naming_use_cpu(config, options, option, fake_accelerator):
+    """The README's `GSPOConfig(output_dir=..., loss_type="gspo", ...)` on a CPU: bf16 (TRL's default when unset) is
+    refused by our check, before transformers' "Your setup doesn't support bf16/gpu", naming use_cpu and the fix.
+    No GPU is faked, so this runs on a GPU machine too; with one (faked) the same config builds."""
+    import trl_gspo
+    from trl_gspo.config import BF16DeviceError
+
+    cls = getattr(trl_gspo, config)
+    fake_accelerator(False)
+    with pytest.raises(BF16DeviceError) as raised:
+        cls(output_dir="unused", loss_type="gspo", per_device_train_batch_size=8, num_generations=8, **options)
+    message = str(raised.value)
+    assert message.startswith(f"`{option}`:") and "\n" not in message and "bf16/gpu" not in message
+    assert f"use_cpu=True and {option}=False" in message and f"--use_cpu true --{option} false" in message
+    # what the message says works: on a CPU, with use_cpu (the CPU's bf16 autocast) or with bf16 off
+    assert cls(output_dir="unused", use_cpu=True, **options).use_cpu
+    assert not cls(output_dir="unused", **{**options, option: False}).bf16_full_eval
+    fake_accelerator(True)
+    assert cls(output_dir="unused", **options).bf16 == (option == "bf16")

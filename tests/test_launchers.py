@@ -153,3 +153,43 @@ def test_ddp_backend_is_launched_with_several_processes_and_refused_with_one(tmp
     err = capsys.readouterr().err
     assert err.startswith("trl-gspo: error: `ddp_backend: gloo`") and "Fix: remove ddp_backend" in err
     assert len(launched) == 1 and not (tmp_path / "out").exists()
+
+
+def test_third_party_warnings_a_run_cannot_act_on_are_filtered_by_their_text(capsys):
+    """trl_gspo/launch/quiet.py: transformers' `gradient_checkpointing` deprecation (TRL's configs always set it) and
+    the lines of `accelerate launch`'s defaults warning that change nothing are dropped; any other warning, and any
+    other line of accelerate's, is kept."""
+    import logging
+    import warnings
+
+    from trl_gspo.launch import quiet
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")  # the suite ignores FutureWarning (pyproject.toml)
+        quiet.install()
+        quiet.install()  # idempotent
+        for message, category in [("`gradient_checkpointing` is deprecated and will be removed in v6. Use "
+                                   "`activation_checkpointing` instead.", FutureWarning),
+                                  ("`is_gradient_checkpointing` is deprecated and will be removed in v6. Use "
+                                   "`is_activation_checkpointing` instead.", FutureWarning),
+                                  ("`other_option` is deprecated and will be removed in v6.", FutureWarning),
+                                  ("`gradient_checkpointing` is deprecated and will be removed in v6. Use "
+                                   "`activation_checkpointing` instead.", UserWarning)]:
+            warnings.warn(message, category)
+    assert [str(w.message)[:16] for w in caught] == ["`other_option` i", "`gradient_checkp"]  # other text or category
+
+    def launch_warning(*lines):
+        footer = ("To avoid this warning pass in values for each of the problematic parameters or run `accelerate "
+                  "config`.")
+        record = logging.LogRecord(quiet.ACCELERATE_LAUNCH_LOGGER, logging.WARNING, __file__, 1,
+                                   "\n".join([quiet.ACCELERATE_DEFAULTS_HEADER, *lines, footer]), None, None)
+        return record.getMessage() if logging.getLogger(quiet.ACCELERATE_LAUNCH_LOGGER).filter(record) else None
+
+    harmless = ["\t`--num_processes` was set to a value of `0`", "\t`--num_machines` was set to a value of `1`",
+                "\t`--mixed_precision` was set to a value of `'no'`",
+                "\t`--dynamo_backend` was set to a value of `'no'`"]
+    assert launch_warning(*harmless) is None
+    several = "\t\tMore than one GPU was found, enabling multi-GPU training."
+    kept = launch_warning("\t`--num_processes` was set to a value of `4`", several, *harmless[1:])
+    assert kept.splitlines()[1:3] == ["\t`--num_processes` was set to a value of `4`", several]
+    assert len(kept.splitlines()) == 4 and kept.splitlines()[-1].startswith("To avoid this warning")

@@ -6,7 +6,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from support.helpers import cpu_env
+from support.helpers import check_run_output, cpu_env
 
 from trl_gspo.quickstart.addition import digit_match_reward, exact_match_reward, make_rl_dataset, make_sft_dataset
 
@@ -45,13 +45,14 @@ def test_datasets():
 def test_quickstart_recipe_learns(tmp_path):
     """The README's first command, end to end through `trl-gspo` and `accelerate launch`."""
     out = tmp_path / "quickstart"
-    env = cpu_env()
+    env = cpu_env(PYTHONUNBUFFERED="1")
     result = subprocess.run(
         [sys.executable, "-m", "trl_gspo.launch.cli", "--config", str(ROOT / "recipes" / "quickstart.yaml"),
          "--output_dir", str(out)],
-        capture_output=True, text=True, env=env, timeout=900,
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, timeout=900,
     )
-    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.returncode == 0, result.stdout[-3000:]
+    check_run_output(result.stdout)  # no third-party noise; the summary last, with the command's and cold start's times
     assert "reward first -> last" in result.stdout
     state = json.loads((out / "trainer_state.json").read_text())
     rewards = [h["reward"] for h in state["log_history"] if "reward" in h]

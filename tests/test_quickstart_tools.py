@@ -9,7 +9,7 @@ import textwrap
 from pathlib import Path
 
 import pytest
-from support.helpers import cpu_env
+from support.helpers import check_run_output, cpu_env
 
 import trl_gspo.launch.launching
 import trl_gspo.quickstart.model
@@ -299,12 +299,15 @@ def test_the_tools_recipe_runs_through_trl_gspo(tmp_path):
     """recipes/quickstart_tools.yaml end to end (cold start, TRL's tool loop with CalculatorEnv, GSPO-token with
     per-turn credit, R3 across turns), shortened: 20 cold-start steps and 8 RL steps (two rollout batches)."""
     out = tmp_path / "tools"
-    result = subprocess.run(
+    result = subprocess.run(  # stdout and stderr in one stream, in the order printed: the summary must come last
         [sys.executable, "-m", "trl_gspo.launch.cli", "--config", str(RECIPE), "--output_dir", str(out),
          "--sft_steps", "20", "--max_steps", "8", "--logging_steps", "4", "--plot", "false"],
-        capture_output=True, text=True, env=cpu_env(), timeout=600,
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=cpu_env(PYTHONUNBUFFERED="1"), timeout=600,
     )
-    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.returncode == 0, result.stdout[-3000:]
+    # no third-party warning the run cannot act on, the summary last, with the whole command's and the cold start's
+    # wall times
+    check_run_output(result.stdout)
     assert "trl-gspo run summary (gspo_token)" in result.stdout
     assert "optimizer steps:       8" in result.stdout
     assert "tool calls first -> last:" in result.stdout and "turns first -> last:" in result.stdout

@@ -77,6 +77,78 @@ def test_a_dataset_that_is_neither_local_nor_reachable(tmp_path, capsys, no_mode
     _refused(capsys, [recipe], "`dataset_name`", "'trl-gspo-tests/no-such-dataset' is neither a local path")
 
 
+def _closed_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]  # nothing listens there once the socket is closed
+
+
+def test_an_unreachable_hub_fails_the_readme_dry_run_in_seconds(tmp_path):
+    """The README's dry run of the flagship recipe, with HF_HUB_OFFLINE unset and the Hub unreachable (HF_ENDPOINT
+    at a closed local port, so on any machine): one connection attempt, then the cache only, instead of five retries
+    with backoff per request (about 30 s, of which 23 s sleeping). A subprocess: the offline switches are read at
+    import."""
+    import os
+    import subprocess
+    import sys
+    import time
+    from pathlib import Path
+
+    from support.helpers import cpu_env
+
+    env = cpu_env(HF_ENDPOINT=f"http://127.0.0.1:{_closed_port()}", HF_HOME=str(tmp_path / "hf"))  # nothing cached
+    for name in [name for name in env if name in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", "HF_DATASETS_OFFLINE")
+                 or name.lower().endswith("_proxy")]:
+        del env[name]
+    root = Path(__file__).resolve().parents[1]
+    started = time.perf_counter()
+    result = subprocess.run([sys.executable, "-m", "trl_gspo.launch.cli", "--config",
+                             "recipes/qwen3_30b_a3b/gspo.yaml", "--dry_run", "true"], cwd=root, env=env,
+                            capture_output=True, text=True, timeout=120)
+    elapsed = time.perf_counter() - started
+    assert result.returncode == 2, result.stderr[-2000:]
+    err = result.stderr.strip().splitlines()[-1]
+    assert err.startswith("trl-gspo: error: `dataset_name`: 'trl-lib/DeepMath-103K' is neither a local path nor a "
+                          "cached dataset, and the Hub cannot be reached from here (127.0.0.1:"), err
+    assert "Connection refused" in err and "Fix: check the network" in err
+    assert "Retrying" not in result.stderr and "Retrying" not in result.stdout
+    assert elapsed < 15, elapsed  # measured 7-9 s on 2 busy cores, most of it imports; 32 s before
+    assert not os.path.exists(tmp_path / "hf" / "datasets" / "trl-lib___deep_math-103_k")
+
+
+def test_the_hub_probe_answers_within_its_timeout(monkeypatch):
+    import socket
+    import threading
+    import time
+
+    from huggingface_hub import constants
+
+    from trl_gspo.launch.checks import hub_unreachable
+
+    for name in ("https_proxy", "HTTPS_PROXY", "http_proxy", "HTTP_PROXY", "all_proxy", "ALL_PROXY"):
+        monkeypatch.delenv(name, raising=False)
+    with socket.socket() as server:  # a local "Hub" that accepts connections
+        server.bind(("127.0.0.1", 0))
+        server.listen()
+        monkeypatch.setattr(constants, "ENDPOINT", f"http://127.0.0.1:{server.getsockname()[1]}")
+        assert hub_unreachable() is None
+    monkeypatch.setattr(constants, "ENDPOINT", f"https://127.0.0.1:{_closed_port()}")
+    assert "Connection refused" in hub_unreachable()
+    hang = threading.Event()
+
+    def never_answers(*args, **kwargs):
+        hang.wait(5)
+        raise OSError("released by the test")
+
+    monkeypatch.setattr(socket, "create_connection", never_answers)
+    started = time.perf_counter()
+    assert hub_unreachable(timeout=0.2).endswith("no answer within 0.2 s")
+    assert time.perf_counter() - started < 1
+    hang.set()
+
+
 def test_a_dataset_mixture_entry_that_is_not_reachable(tmp_path, capsys, no_model):
     recipe = _recipe(tmp_path, replace=[("dataset_name: builtin:addition\n", "")],
                      extra="datasets:\n  - path: trl-gspo-tests/no-such-dataset\n")

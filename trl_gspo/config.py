@@ -237,6 +237,7 @@ class GSPOConfig(GRPOConfig):
         # at startup beside the sizes they resolve to (`setup_summary`).
         self.paper_presets = filled if is_gspo else {}
         validate_gspo_args(self)
+        check_bf16_device(self)
         super().__post_init__()
 
 
@@ -270,6 +271,32 @@ def _check_types(args) -> None:
         value = getattr(args, name, None)
         if isinstance(value, numbers.Real) and value < minimum:
             raise ValueError(f"`{name}` must be at least {minimum}, got {value}. Fix: set it to {minimum} or more.")
+
+
+class BF16DeviceError(ValueError):
+    """`bf16` (or `bf16_full_eval`) asks for bfloat16 mixed precision on a machine without a device for it."""
+
+
+def check_bf16_device(args) -> None:
+    """Refuse bf16 where transformers' `TrainingArguments` would, before it does, with one line that names `bf16`,
+    `use_cpu` and the fix (transformers says "Your setup doesn't support bf16/gpu"). TRL's configs default an unset
+    `bf16` to True (False with `fp16`), so a config that sets neither `bf16` nor `use_cpu` fails on a CPU-only machine.
+    Same condition and the same probes as transformers (looked up at call time). Shared by `GSPOConfig` and
+    `AsyncGSPOConfig`."""
+    from transformers import training_args as hf_args
+
+    bf16 = (not args.fp16) if args.bf16 is None else args.bf16
+    if not (bf16 or args.bf16_full_eval) or args.use_cpu:
+        return
+    if hf_args.is_torch_bf16_gpu_available() or hf_args.is_torch_xla_available():
+        return
+    option = "bf16" if bf16 else "bf16_full_eval"
+    given = ("bf16 is unset, and TRL's configs then default it to True, which" if option == "bf16" and args.bf16 is None
+             else f"{option}=True")
+    raise BF16DeviceError(f"`{option}`: {given} needs a GPU with bfloat16 support, and none is visible here (use_cpu="
+                          f"False). Fix: on a CPU pass use_cpu=True and {option}=False (command line: `--use_cpu true "
+                          f"--{option} false`); on a GPU machine check that torch sees the GPU (one without bfloat16: "
+                          "fp16=True).")
 
 
 def _error(option: str, problem: str, fix: str) -> ValueError:

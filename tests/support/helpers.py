@@ -44,6 +44,28 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
+# Third-party warnings a `trl-gspo` run cannot act on, which it filters (trl_gspo/launch/quiet.py).
+RUN_NOISE = ("`gradient_checkpointing` is deprecated", "`is_gradient_checkpointing` is deprecated",
+             "were not passed to `accelerate launch`", "`--num_processes` was set to a value of")
+
+
+def check_run_output(output: str, cold_start: bool = True) -> str:
+    """Check the whole output of a `trl-gspo` run (stdout and stderr in one stream, the child unbuffered:
+    `cpu_env(PYTHONUNBUFFERED="1")` with `stderr=subprocess.STDOUT`): none of `RUN_NOISE`; the run summary is the last
+    thing printed (no progress bar after it); its wall time is the whole command's, with the cold start's (when
+    `cold_start`) and training's beside it. Returns the summary."""
+    import re
+
+    for noise in RUN_NOISE:
+        assert noise not in output, f"{noise!r} in the run's output:\n{output[-3000:]}"
+    assert output.count("trl-gspo run summary") == 1, output[-3000:]
+    summary = "trl-gspo run summary" + output.split("trl-gspo run summary")[1]
+    assert summary.rstrip().endswith("\n" + "=" * 60), f"printed after the summary:\n{summary}"
+    phases = r"cold start (\d+s|reused), training \d+s" if cold_start else r"training \d+s"
+    assert re.search(rf"\n  wall time: +\d+s for the whole command \({phases}\)\n", summary), summary
+    return summary
+
+
 def skip_without_math_verify(reward_funcs) -> None:
     """TRL's `accuracy_reward` needs math-verify (the `math` extra, in the `test` extra too); a hand-made
     environment without it skips the tests that resolve it, saying so."""

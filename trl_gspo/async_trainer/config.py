@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 
 from trl.experimental.async_grpo import AsyncGRPOConfig
 
-from ..config import GSPO_LOSS_TYPES, _check_types, check_clip_band, fill_presets
+from ..config import GSPO_LOSS_TYPES, _check_types, check_bf16_device, check_clip_band, fill_presets
 
 # "grpo": TRL's asynchronous loss as it ships (token-level clipped ratio, mean over the micro-batch's tokens).
 ASYNC_LOSS_TYPES = (*GSPO_LOSS_TYPES, "grpo")
@@ -111,4 +111,5 @@ class AsyncGSPOConfig(AsyncGRPOConfig):
         if self.max_staleness < 0:
             raise ValueError(f"`max_staleness` ({self.max_staleness}) must be >= 0. Fix: 0 trains on-policy samples "
                              "only; TRL's default is 4.")
+        check_bf16_device(self)  # before transformers' own check, with a message naming use_cpu and the fix
         super().__post_init__()

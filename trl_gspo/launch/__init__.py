@@ -7,6 +7,8 @@
   the `accelerate launch` options, the summary of a run.
 - `checks`: what a parsed recipe must satisfy (values, dataset, tools, launcher), as `RecipeError`s.
 - `rewards`, `tool_registry`: rewards, tools and environments named in a recipe.
-- `launching`, `multinode`: the launcher's process tree and signals; several nodes.
+- `launching`, `multinode`: the launcher's process tree and signals (and `accelerate launch` with `quiet`'s filters);
+  several nodes.
+- `quiet`: the third-party warnings a run cannot act on, filtered by their exact text.
 - `reporting`: the end-of-run summary and training curves.
 """

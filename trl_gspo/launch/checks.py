@@ -287,19 +287,84 @@ def _dataset_size(script_args, dataset_args, probe: bool) -> int | None:
     return split.num_examples if split is not None and split.num_examples else None
 
 
+# Seconds the checks wait for the Hub to accept a connection before they treat it as unreachable and read the cache
+# only. Without this, each Hub request retries five times with backoff (about 30 s) before it fails.
+HUB_PROBE_TIMEOUT = 3.0
+
+
+def hub_unreachable(timeout: float = HUB_PROBE_TIMEOUT) -> str | None:
+    """Why the Hub cannot be reached from here (no such host, connection refused, no answer within `timeout`
+    seconds), or None when its endpoint (`HF_ENDPOINT`, or the proxy the environment names for it) accepts a TCP
+    connection. One attempt, bounded in time, name lookup included."""
+    import socket
+    import threading
+    import urllib.parse
+    import urllib.request
+
+    from huggingface_hub import constants
+
+    url = urllib.parse.urlsplit(constants.ENDPOINT)
+    host, port = url.hostname, url.port or (443 if url.scheme == "https" else 80)
+    proxy = urllib.request.getproxies().get(url.scheme)
+    if proxy and not urllib.request.proxy_bypass(host):
+        parsed = urllib.parse.urlsplit(proxy if "://" in proxy else f"http://{proxy}")
+        host, port = parsed.hostname, parsed.port or (443 if parsed.scheme == "https" else 80)
+    outcome = []
+
+    def connect() -> None:
+        try:
+            socket.create_connection((host, port), timeout=timeout).close()
+            outcome.append(None)
+        except OSError as err:
+            outcome.append(f"{host}:{port}: {err.strerror or err}")
+
+    probe = threading.Thread(target=connect, daemon=True)  # a name lookup can outlast the socket's timeout
+    probe.start()
+    probe.join(timeout)
+    return outcome[0] if outcome else f"{host}:{port}: no answer within {timeout:g} s"
+
+
+class _CacheOnly:
+    """`datasets` and `huggingface_hub` in offline mode (the cache only) inside the block, as with HF_HUB_OFFLINE=1."""
+
+    def __enter__(self):
+        import datasets
+        from huggingface_hub import constants
+
+        self.saved = datasets.config.HF_HUB_OFFLINE, constants.HF_HUB_OFFLINE
+        datasets.config.HF_HUB_OFFLINE = constants.HF_HUB_OFFLINE = True
+
+    def __exit__(self, *exc):
+        import datasets
+        from huggingface_hub import constants
+
+        datasets.config.HF_HUB_OFFLINE, constants.HF_HUB_OFFLINE = self.saved
+
+
 def _probe_dataset(key: str, path: str, config_name: str | None, **data):
-    """The `DatasetInfo` of a hub dataset (metadata only, from the cache when offline); `None` for a local path."""
+    """The `DatasetInfo` of a hub dataset (metadata only, from the cache when offline or when the Hub cannot be
+    reached); `None` for a local path."""
     if os.path.exists(path):
         return None
+    import contextlib
+
     import datasets
 
+    offline = datasets.config.HF_HUB_OFFLINE
+    unreachable = None if offline else hub_unreachable()
     try:
-        return datasets.load_dataset_builder(path, config_name, **data).info
+        with _CacheOnly() if unreachable else contextlib.nullcontext():
+            return datasets.load_dataset_builder(path, config_name, **data).info
     except Exception as err:  # ConnectionError offline, DatasetNotFoundError, a wrong config name, ...
-        offline = datasets.config.HF_HUB_OFFLINE
+        if unreachable:  # datasets' own error would only say that offline mode is on
+            raise RecipeError(
+                f"`{key}`: {path!r} is neither a local path nor a cached dataset, and the Hub cannot be reached from "
+                f"here ({unreachable}). Fix: check the network (or HF_ENDPOINT, a proxy), give a local path, or "
+                "download it once online."
+            ) from None
+        offline = " (offline mode: HF_HUB_OFFLINE / HF_DATASETS_OFFLINE is set and it is not cached)" if offline else ""
         raise RecipeError(
-            f"`{key}`: {path!r} is neither a local path nor a dataset `datasets` can load"
-            f"{' (offline mode: HF_HUB_OFFLINE / HF_DATASETS_OFFLINE is set and it is not cached)' if offline else ''}: "
+            f"`{key}`: {path!r} is neither a local path nor a dataset `datasets` can load{offline}: "
             f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}. Fix: check the name"
             f"{' and dataset_config' if config_name else ''}, give a local path, or download it once online."
         ) from None

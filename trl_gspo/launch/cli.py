@@ -16,13 +16,15 @@ from __future__ import annotations
 import os
 import shlex
 import sys
+import time
 
 from ..checkpoints import check_resume_before_launch
-from . import launching, multinode
+from ..config import BF16DeviceError
+from . import launching, multinode, quiet
 from .checks import check_launch, check_recipe
 from .recipe import (BUILTIN_PREFIX, COLD_START_LAUNCHERS, COLD_START_NOTE_ENV, GSPOScriptArguments,  # noqa: F401
-                     RecipeError, cold_start_before_launch, describe, launch_options, launcher_type, make_parser,
-                     parse_recipe)
+                     COLD_START_SECONDS_ENV, COMMAND_STARTED_ENV, RecipeError, cold_start_before_launch, describe,
+                     launch_options, launcher_type, make_parser, parse_recipe)
 from .rewards import resolve_rewards
 from .tool_registry import resolve_tools, tool_budget_warning
 
@@ -52,11 +54,11 @@ def _without(argv: list[str], tokens: list[str]) -> list[str]:
 
 
 def _cold_start_before_launch(argv: list[str], script_args, training_args, model_args,
-                              kind: str = "DeepSpeed") -> tuple[int, str, str]:
+                              kind: str = "DeepSpeed") -> tuple[int, str, str, float | None]:
     """Prepare the built-in model in one plain process before a DeepSpeed launch (its processes cannot run the SFT:
     accelerate allows one DeepSpeed Accelerator per process; an FSDP process's SFT trainer would shard the model it
     must save), or reuse the one a run with the same inputs left.
-    Returns `(exit code, path, a line for the end-of-run report)`."""
+    Returns `(exit code, path, a line for the end-of-run report, its seconds: None when reused)`."""
     from ..quickstart import reuse
 
     path = os.path.join(training_args.output_dir, "initial_model")
@@ -66,15 +68,23 @@ def _cold_start_before_launch(argv: list[str], script_args, training_args, model
     if reuse.reusable(path, inputs):
         print(f"[trl-gspo] cold start reused before the {kind} launch (same inputs, {reuse.MARK}): {path}",
               flush=True)
-        return 0, path, f"cold start: reused before the {kind} launch (same inputs, {reuse.MARK}): {path}"
+        return 0, path, f"cold start: reused before the {kind} launch (same inputs, {reuse.MARK}): {path}", None
     print(f"[trl-gspo] cold start (sft_steps {script_args.sft_steps}) runs in one process before the {kind} "
           "launch", flush=True)
+    started = time.perf_counter()
     returncode = launching.run_forwarding_signals([sys.executable, "-m", TRAINING_MODULE, "cold-start", *argv])
     if returncode:
-        return returncode, path, ""
+        return returncode, path, "", None
     print(f"[trl-gspo] cold start ran before the {kind} launch: {path}", flush=True)
     return 0, path, (f"cold start: ran before the {kind} launch, in one process (sft_steps "
-                     f"{script_args.sft_steps}): {path}")
+                     f"{script_args.sft_steps}): {path}"), time.perf_counter() - started
+
+
+def _process_started() -> float:
+    """When this process started (seconds since the epoch), its imports included."""
+    import psutil
+
+    return psutil.Process().create_time()
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -83,6 +93,7 @@ def main(argv: list[str] | None = None) -> int:
     if not argv:
         print(USAGE, file=sys.stderr)
         return 2
+    quiet.install()  # third-party warnings a run cannot act on (quiet.py); the processes started below install it too
     if argv[0] == "vllm-serve":  # TRL's vLLM server, returning MoE routes too (trl_gspo/sampling/serve.py)
         from ..sampling import serve
 
@@ -95,7 +106,7 @@ def main(argv: list[str] | None = None) -> int:
         except ValueError as err:
             # A GPU recipe (bf16) cannot build its TrainingArguments on a machine without a GPU; a dry run still
             # checks every key and value there, with the hardware check switched off.
-            if "bf16/gpu" not in str(err):
+            if not isinstance(err, BF16DeviceError) and "bf16/gpu" not in str(err):
                 raise
             if "--dry_run" not in argv:
                 raise RecipeError("`bf16: true` needs a GPU, and this machine has none. Fix: run on a GPU machine; "
@@ -123,15 +134,19 @@ def main(argv: list[str] | None = None) -> int:
         print("trl-gspo: recipe is valid (dry run, nothing trained).")
         return 0
 
-    overrides, environment = [], None
+    # When this command started: the run summary's wall time counts from there.
+    overrides, environment = [], {**os.environ, COMMAND_STARTED_ENV: str(_process_started())}
     if cold_start_before_launch(script_args, model_args, launch_args):
         kind = COLD_START_LAUNCHERS[launcher_type(launch_args)]
-        returncode, path, report = _cold_start_before_launch(argv, script_args, training_args, model_args, kind)
+        returncode, path, report, seconds = _cold_start_before_launch(argv, script_args, training_args, model_args,
+                                                                      kind)
         if returncode:
             return returncode
         # Last on the command line, so they override the recipe's and the command line's own values.
         overrides = ["--model_name_or_path", path, "--sft_steps", "0"]
-        environment = {**os.environ, COLD_START_NOTE_ENV: report}
+        environment[COLD_START_NOTE_ENV] = report
+        if seconds is not None:
+            environment[COLD_START_SECONDS_ENV] = f"{seconds:.1f}"
     accelerate_tokens = launch_args + ["--module", TRAINING_MODULE] + _without(argv, cli_launch_tokens) + overrides
     command = launching.accelerate_launch_command(accelerate_tokens)
     if overrides:

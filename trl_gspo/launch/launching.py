@@ -23,8 +23,20 @@ GRACE_SECONDS = 30.0
 
 
 def accelerate_launch_command(accelerate_tokens: list[str]) -> list[str]:
-    """`accelerate launch <tokens>` run with this interpreter (the same environment as `trl-gspo`)."""
-    return [sys.executable, "-m", "accelerate.commands.launch", *accelerate_tokens]
+    """`accelerate launch <tokens>` run with this interpreter (the same environment as `trl-gspo`), through this
+    module's `__main__`: accelerate's own launch, with the warnings of `quiet.py` filtered."""
+    return [sys.executable, "-m", "trl_gspo.launch.launching", *accelerate_tokens]
+
+
+def accelerate_launch(argv: list[str]) -> None:
+    """`accelerate launch argv` in this process (what `python -m accelerate.commands.launch argv` does), with the
+    third-party warnings a trl-gspo run cannot act on filtered (`trl_gspo.launch.quiet`)."""
+    from accelerate.commands.launch import launch_command, launch_command_parser
+
+    from . import quiet
+
+    quiet.install()
+    launch_command(launch_command_parser().parse_args(argv))
 
 
 def run_forwarding_signals(cmd: list[str], grace_seconds: float = GRACE_SECONDS, env: dict | None = None) -> int:
@@ -113,3 +125,7 @@ def _running(process: psutil.Process) -> bool:
         return process.is_running() and process.status() != psutil.STATUS_ZOMBIE
     except psutil.NoSuchProcess:
         return False
+
+
+if __name__ == "__main__":
+    accelerate_launch(sys.argv[1:])

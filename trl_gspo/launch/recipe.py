@@ -33,6 +33,10 @@ CONVERSATIONAL_BUILTIN_DATASETS = ("tool_addition",)
 COLD_START_LAUNCHERS = {"DEEPSPEED": "DeepSpeed", "FSDP": "FSDP"}
 # Where the cold start run before a DeepSpeed launch tells the launched processes what it did, for their report.
 COLD_START_NOTE_ENV = "TRL_GSPO_COLD_START_BEFORE_LAUNCH"
+# ... and how many seconds it took (absent when it was reused).
+COLD_START_SECONDS_ENV = "TRL_GSPO_COLD_START_SECONDS"
+# When the `trl-gspo` command started (seconds since the epoch): the run summary's wall time counts from there.
+COMMAND_STARTED_ENV = "TRL_GSPO_COMMAND_STARTED"
 
 
 class RecipeError(ValueError):
@@ -159,6 +163,9 @@ def make_parser(prog: str = "trl-gspo", before_launch: bool = False, asynchronou
                           "a negative number as `--key=-1e-3`.")
 
     parser.error = error
+    # A misspelt key is an unknown key (refused with the nearest names), never argparse's prefix match: with
+    # abbreviations `--num_generation` is "ambiguous" and `--learning_rat` silently sets learning_rate.
+    parser.allow_abbrev = False
     return parser
 
 
@@ -230,10 +237,15 @@ def parse_recipe(argv: list[str], before_launch: bool = False):
         for token in remaining:
             if token.startswith("--") and token.split("=", 1)[0] not in known | {"--accelerate_config"}:
                 key = token[2:].split("=", 1)[0]
+                names = nearest_keys(key, parser, options)
+                also = f" also close: {', '.join(f'`{name}`' for name in names[1:])}" if len(names) > 1 else ""
+                guess = f" (did you mean `{names[0]}`?{also})" if names else ""
+                fix = (f"rename it to `{names[0]}` (or the name you meant), or remove it" if names
+                       else "check its spelling against `trl-gspo --help` (or remove it)")
                 raise RecipeError(
-                    f"unknown key `{key}` in the {source}: it is neither a GSPOConfig / ModelConfig / script field "
-                    "nor an `accelerate launch` option. Fix: check its spelling against `trl-gspo --help` "
-                    "(or remove it)."
+                    f"unknown key `{key}` in the {source}{guess}: it is neither a "
+                    f"{'AsyncGSPOConfig' if trainer == 'async' else 'GSPOConfig'} / ModelConfig / script field nor an "
+                    f"`accelerate launch` option. Fix: {fix}."
                 )
     for token in _stray_tokens(cli_remaining, options):
         hint = (" (a recipe path goes first, or after `--config`)" if token.endswith((".yaml", ".yml")) else "")
@@ -248,6 +260,18 @@ def parse_recipe(argv: list[str], before_launch: bool = False):
     # The keys the user set (recipe and command line), where a default and an explicit value mean different things.
     dataclasses[0].explicit_keys = frozenset(recipe_keys + [t[2:].split("=", 1)[0] for t in argv if t.startswith("--")])
     return (*dataclasses, launch_args, cli_remaining)
+
+
+def nearest_keys(key: str, parser, accelerate_options: dict, limit: int = 3) -> list[str]:
+    """The valid keys closest in spelling to an unknown `key` (`difflib.get_close_matches`, best first): the fields of
+    the parser's dataclasses, `accelerate launch`'s options and `accelerate_config`, in their underscore spelling."""
+    import difflib
+
+    names = {option[2:].replace("-", "_") for option in [*parser._option_string_actions, *accelerate_options]
+             if option.startswith("--") and not option.startswith("--no_")}
+    names |= {"accelerate_config"}
+    names -= {"help", "config"}
+    return difflib.get_close_matches(key.replace("-", "_"), sorted(names), n=limit, cutoff=0.75)
 
 
 def _check_recipe_file(path: str) -> dict:

@@ -72,14 +72,41 @@ def plot_training_curves(log_history: list[dict], path: str, title: str = "") ->
     return path
 
 
+def command_started() -> float:
+    """When the command that runs this training started (seconds since the epoch): the `trl-gspo` command's start,
+    which it passes to the processes it launches (`COMMAND_STARTED_ENV`), else this process's own start."""
+    import psutil
+
+    from .recipe import COMMAND_STARTED_ENV
+
+    try:
+        return float(os.environ[COMMAND_STARTED_ENV])
+    except (KeyError, ValueError):
+        return psutil.Process().create_time()
+
+
+_WALL_TIME = object()  # where the wall-time line goes: filled in when the summary is printed
+
+
 class RunReportCallback(TrainerCallback):
     """Prints a summary at the end of training and writes `training_curves.png` to `output_dir`; `notes` are lines
-    about how the run was prepared (e.g. a cold start run before the launch), printed with it."""
+    about how the run was prepared (e.g. a cold start run before the launch), printed with it.
 
-    def __init__(self, plot: bool = True, notes: list[str] | None = None):
+    The summary's wall time is the whole command's (from `command_started()`), with the cold start's (`cold_start`, a
+    phrase such as "cold start 12s", or None when there was none) and training's (`trainer.train`) beside it. With
+    `deferred=True` the summary is printed by `print_summary()`, called once everything else (saving the model, the
+    progress bar's last line) is printed, so that it is the last thing the run prints; otherwise at the end of
+    training."""
+
+    def __init__(self, plot: bool = True, notes: list[str] | None = None, cold_start: str | None = None,
+                 deferred: bool = False):
         self.plot = plot
         self.notes = list(notes or [])
+        self.cold_start = cold_start
+        self.deferred = deferred
         self._started = None
+        self._training_seconds = None
+        self._lines = None  # the summary, on the main process, once training has ended
 
     def on_train_begin(self, args, state, control, **kwargs):
         self._started = time.perf_counter()
@@ -87,8 +114,27 @@ class RunReportCallback(TrainerCallback):
     def on_train_end(self, args, state, control, **kwargs):
         if not state.is_world_process_zero:
             return
+        self._training_seconds = time.perf_counter() - (self._started or time.perf_counter())
+        self._lines = self._summary_lines(args, state)
+        if not self.deferred:
+            self.print_summary()
+
+    def wall_time(self) -> str:
+        """The whole command's wall time up to now, and the cold start's and training's within it."""
+        parts = [self.cold_start] if self.cold_start else []
+        parts.append(f"training {self._training_seconds or 0:.0f}s")
+        return f"{time.time() - command_started():.0f}s for the whole command ({', '.join(parts)})"
+
+    def print_summary(self) -> None:
+        """Print the summary (once; nothing on processes other than the main one, or before training ended)."""
+        if self._lines is None:
+            return
+        lines, self._lines = self._lines, None
+        wall_time = f"  wall time:             {self.wall_time()}"
+        print("\n".join(wall_time if line is _WALL_TIME else line for line in lines), flush=True)
+
+    def _summary_lines(self, args, state) -> list[str]:
         summary = summarize(state.log_history)
-        elapsed = time.perf_counter() - (self._started or time.perf_counter())
         fmt = lambda v: "n/a" if v is None else f"{v:.3f}"  # noqa: E731
         lines = [
             "",
@@ -100,7 +146,7 @@ class RunReportCallback(TrainerCallback):
             f"  sequences clipped:     {fmt(summary['clip_ratio/region_mean'])} (mean clip_ratio/region_mean)",
             f"  tokens clipped:        {fmt(summary['gspo/clipped_token_fraction'])} "
             "(mean gspo/clipped_token_fraction)",
-            f"  wall time:             {elapsed:.0f}s",
+            _WALL_TIME,
         ]
         if summary["tools/call_frequency_first"] is not None:  # a run with tools (TRL's tool loop)
             lines[-1:-1] = [
@@ -127,4 +173,4 @@ class RunReportCallback(TrainerCallback):
             lines.append(f"  curves:                {path}")
         lines.append(f"  trainer state:         {os.path.join(args.output_dir, 'trainer_state.json')}")
         lines.append("=" * 60)
-        print("\n".join(lines), flush=True)
+        return lines

@@ -13,10 +13,11 @@ import os
 import sys
 import time
 
+from . import quiet
 from .checks import (FSDP_WITHOUT_ACCELERATOR, SFT_UNDER_DEEPSPEED, SFT_UNDER_FSDP, check_conversational,
                      check_dataset_size, check_recipe)
-from .recipe import (BUILTIN_MODELS, BUILTIN_PREFIX, COLD_START_NOTE_ENV, RecipeError, describe, load_dataset,
-                     parse_recipe)
+from .recipe import (BUILTIN_MODELS, BUILTIN_PREFIX, COLD_START_NOTE_ENV, COLD_START_SECONDS_ENV, RecipeError,
+                     describe, load_dataset, parse_recipe)
 from .rewards import resolve_rewards
 from .tool_registry import resolve_tools
 
@@ -24,9 +25,10 @@ from .tool_registry import resolve_tools
 TOOL_SFT_BATCH = 16
 
 
-def _prepare_builtin_model(script_args, training_args, model_args):
+def _prepare_builtin_model(script_args, training_args, model_args, timing: dict | None = None):
     """Build the tiny model and tokenizer, optionally SFT cold-start them, and save them under `output_dir` so
-    TRL can load them by path (the reference model for `beta > 0` is reloaded from that path too)."""
+    TRL can load them by path (the reference model for `beta > 0` is reloaded from that path too). `timing`, when
+    given, gets `seconds` (None when a prepared model was reused)."""
     from accelerate import PartialState
     from accelerate.utils import parse_flag_from_env
 
@@ -54,6 +56,8 @@ def _prepare_builtin_model(script_args, training_args, model_args):
     if reusable:
         if state.is_main_process:
             print(f"[trl-gspo] reusing the prepared model in {path} (same inputs: {reuse.MARK})", flush=True)
+        if timing is not None:
+            timing["seconds"] = None
         return path
     started = time.perf_counter()
     if state.is_main_process and script_args.sft_steps > 0:
@@ -88,6 +92,8 @@ def _prepare_builtin_model(script_args, training_args, model_args):
         tokenizer.save_pretrained(path)
         reuse.write_mark(path, inputs)  # last: a run killed before this prepares the model again
     state.wait_for_everyone()
+    if timing is not None:
+        timing["seconds"] = time.perf_counter() - started
     return path
 
 
@@ -156,8 +162,14 @@ def run(script_args, training_args, model_args, dataset_args) -> "GSPOTrainer": 
     model = model_args.model_name_or_path
     if script_args.trainer == "async":
         return _run_async(model, rewards, training_args, model_args, train_dataset, tools, script_args.plot)
+    cold_start = None  # the run summary's phrase for the cold start's wall time
     if model.startswith(BUILTIN_PREFIX):
-        model = _prepare_builtin_model(script_args, training_args, model_args)
+        timing = {}
+        model = _prepare_builtin_model(script_args, training_args, model_args, timing)
+        cold_start = _cold_start_phrase(timing["seconds"], script_args.sft_steps)
+    elif os.environ.get(COLD_START_NOTE_ENV):  # the cold start ran (or was reused) before this launch
+        seconds = os.environ.get(COLD_START_SECONDS_ENV)
+        cold_start = _cold_start_phrase(float(seconds) if seconds else None, sft_steps=1)
     model_init_kwargs = dict(revision=model_args.model_revision, trust_remote_code=training_args.trust_remote_code,
                              attn_implementation=model_args.attn_implementation, dtype=model_args.dtype)
     model_init_kwargs.update(training_args.model_init_kwargs or {})
@@ -168,6 +180,9 @@ def run(script_args, training_args, model_args, dataset_args) -> "GSPOTrainer": 
         from ..turn_advantages import ToolCreditGSPOTrainer
 
         trainer_class, credit = ToolCreditGSPOTrainer, {"failed_tool_credit": script_args.failed_tool_credit}
+    # Printed last, once the model is saved (and the progress bar closed), with the whole command's wall time.
+    report = RunReportCallback(plot=script_args.plot, notes=[os.environ[COLD_START_NOTE_ENV]]
+                               if os.environ.get(COLD_START_NOTE_ENV) else [], cold_start=cold_start, deferred=True)
     trainer = trainer_class(
         model=model,
         reward_funcs=rewards,
@@ -176,8 +191,7 @@ def run(script_args, training_args, model_args, dataset_args) -> "GSPOTrainer": 
         eval_dataset=dataset[script_args.dataset_test_split] if training_args.eval_strategy != "no" else None,
         quantization_config=get_quantization_config(model_args),
         peft_config=get_peft_config(model_args),
-        callbacks=[RunReportCallback(plot=script_args.plot, notes=[os.environ[COLD_START_NOTE_ENV]]
-                                     if os.environ.get(COLD_START_NOTE_ENV) else [])],
+        callbacks=[report],
         **tools,
         **credit,
     )
@@ -195,7 +209,15 @@ def run(script_args, training_args, model_args, dataset_args) -> "GSPOTrainer": 
         # finalizing by then, torch aborts the process (SIGABRT) after a successful run. Yielding the GIL briefly
         # lets it finish (docs/recipes.md, 'Known issue on CPU').
         time.sleep(0.1)
+    report.print_summary()
     return trainer
+
+
+def _cold_start_phrase(seconds: float | None, sft_steps: int) -> str:
+    """How the run summary names the built-in model's preparation: its seconds, or that it was reused."""
+    if seconds is None:
+        return "cold start reused"
+    return f"cold start {seconds:.0f}s" if sft_steps > 0 else f"model preparation {seconds:.0f}s"
 
 
 def _run_async(model: str, rewards, training_args, model_args, train_dataset, tools: dict, plot: bool = True):
@@ -210,12 +232,13 @@ def _run_async(model: str, rewards, training_args, model_args, train_dataset, to
     model_init_kwargs = dict(revision=model_args.model_revision)  # dtype, trust_remote_code: the config's own keys
     model_init_kwargs.update(training_args.model_init_kwargs or {})
     training_args.model_init_kwargs = model_init_kwargs
+    report = RunReportCallback(plot=plot, deferred=True)  # printed last, once the model is saved
     trainer = AsyncGSPOTrainer(model=model, reward_funcs=rewards, args=training_args, train_dataset=train_dataset,
-                               peft_config=get_peft_config(model_args), callbacks=[RunReportCallback(plot=plot)],
-                               **tools)
+                               peft_config=get_peft_config(model_args), callbacks=[report], **tools)
     trainer.train(resume_from_checkpoint=training_args.resume_from_checkpoint)
     trainer.save_model(training_args.output_dir)
     trainer.save_state()
+    report.print_summary()
     return trainer
 
 
@@ -243,6 +266,7 @@ def cold_start(argv: list[str]) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    quiet.install()  # third-party warnings a run cannot act on (trl_gspo/launch/quiet.py)
     if argv and argv[0] == "cold-start":
         return cold_start(argv[1:])
     try:
