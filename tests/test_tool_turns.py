@@ -18,13 +18,13 @@ paths themselves are tested on one and two processes in test_trainer.py and test
 
 import importlib.util
 import json
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
-from support.helpers import cpu_env
+from support.helpers import cpu_env, free_port
+from support.tool_turn_runs import HANG_BOUND, assert_divergent_and_own
 
 SCRIPT = Path(__file__).parent / "scripts" / "tool_turns_run.py"
 CONFIGS = Path(__file__).parents[1] / "recipes" / "accelerate"
@@ -34,13 +34,6 @@ LAUNCH = {
     "zero2": ["--config_file", str(CONFIGS / "cpu_zero2.yaml"), "--num_processes", "2"],
     "zero3": ["--config_file", str(CONFIGS / "cpu_zero3.yaml"), "--num_processes", "2"],
 }
-HANG_BOUND = 90  # seconds a collective may wait (`ddp_timeout`) before it raises: bounds a hang of stock TRL
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def run_tool_turns(out_dir, layout, model_dir, expect_failure=False, env=None, **options):
@@ -48,11 +41,11 @@ def run_tool_turns(out_dir, layout, model_dir, expect_failure=False, env=None, *
     if layout in ("zero2", "zero3"):
         pytest.importorskip("deepspeed")
     command = [sys.executable, "-m", "accelerate.commands.launch", *LAUNCH[layout], "--main_process_port",
-               str(_free_port()), str(SCRIPT), str(out_dir), json.dumps({"ddp_timeout": HANG_BOUND, **options})]
+               str(free_port()), str(SCRIPT), str(out_dir), json.dumps({"ddp_timeout": HANG_BOUND, **options})]
     result = subprocess.run(command, capture_output=True, text=True, timeout=600,
                             env=cpu_env(OMP_NUM_THREADS="1", TRL_GSPO_VLLM_MODEL_DIR=str(model_dir),
                                         TOKENIZERS_PARALLELISM="false", TRL_EXPERIMENTAL_SILENCE="1",
-                                        MASTER_PORT=str(_free_port()), **(env or {})))
+                                        MASTER_PORT=str(free_port()), **(env or {})))
     output = result.stdout + result.stderr
     if expect_failure:
         assert result.returncode != 0, output[-3000:]
@@ -60,20 +53,6 @@ def run_tool_turns(out_dir, layout, model_dir, expect_failure=False, env=None, *
     assert result.returncode == 0, output[-4000:]
     line = next(line for line in result.stdout.splitlines() if line.startswith("RESULT "))
     return json.loads(line[len("RESULT "):])
-
-
-def assert_divergent_and_own(result):
-    """The forced divergence happened (rank 0: two tool turns of 8 samples; rank 1: one turn of 4, then none; 16 samples
-    per rank over two rounds), and
-    every sample's segments continue its own history."""
-    rank0, rank1 = result["turns"]
-    assert result["world_size"] == 2
-    # Which samples reach a tool result also depends on their length: a first turn that fills the context leaves the
-    # loop without one (measured on one 2-core x86 machine: 3 of rank 1's 4, every run). The divergence is the point:
-    # two tool turns on rank 0 while rank 1 runs one and then none.
-    assert rank0[0][0] == 2 and 1 <= rank0[0][1] <= 8, result["turns"]  # [turns, samples that reached a result]
-    assert rank1[0][0] == 1 and 1 <= rank1[0][1] <= 4 and rank1[1] == [0, 0], result["turns"]
-    assert result["own_history_violations"] == [0, 0] and min(result["samples_checked"]) >= 16
 
 
 # ---------------------------------------------------------------- HF generate: DDP, ZeRO-2, ZeRO-3

@@ -587,7 +587,7 @@ TOOL_TURNS = Path(__file__).parent / "scripts" / "tool_turns_run.py"
 
 
 def _tool_turns(tmp_path, model_dir, launch=DDP, bind=None, expect_failure=False, **options):
-    from test_tool_turns import HANG_BOUND
+    from support.tool_turn_runs import HANG_BOUND
 
     options.setdefault("max_steps", 4)
     return _run(tmp_path, launch=_two_processes(launch), bind=bind, model_dir=model_dir, script=TOOL_TURNS,
@@ -604,7 +604,7 @@ def _replayed_the_engine_routes(result):
 
 def test_colocate_tp1_two_processes_rank_divergent_tool_turns_r3(tool_model_dir, tmp_path):
     """One engine per rank: TRL's loop is right here (no collective in a turn), and R3 stitches each rank's own."""
-    from test_tool_turns import assert_divergent_and_own
+    from support.tool_turn_runs import assert_divergent_and_own
 
     result = _tool_turns(tmp_path, tool_model_dir, engine="colocate", reference=True, loss_type="gspo",
                          routing_replay="sampler", learning_rate=0.0, routing_replay_min_agreement=0.0)
@@ -615,7 +615,7 @@ def test_colocate_tp1_two_processes_rank_divergent_tool_turns_r3(tool_model_dir,
 def test_tensor_parallel_2_rank_divergent_tool_turns_r3(tool_model_dir, tmp_path):
     """One TP-2 group: the turns run in lockstep (rank 1 takes part empty-handed in rank 0's second turn), rank 0
     sends the group's prompts, and each rank gets back its own completions and routes."""
-    from test_tool_turns import assert_divergent_and_own
+    from support.tool_turn_runs import assert_divergent_and_own
 
     result = _tool_turns(tmp_path, tool_model_dir, bind="0|1", engine="colocate", reference=True,
                          vllm_tensor_parallel_size=2, loss_type="gspo_token", routing_replay="sampler",
@@ -626,7 +626,7 @@ def test_tensor_parallel_2_rank_divergent_tool_turns_r3(tool_model_dir, tmp_path
 
 def test_tensor_parallel_2_under_zero3_rank_divergent_tool_turns(tool_model_dir, tmp_path):
     """The flagship's layout (ZeRO-3 beside TP-2 engines), grpo without replay, weights synced every round."""
-    from test_tool_turns import assert_divergent_and_own
+    from support.tool_turn_runs import assert_divergent_and_own
 
     assert_divergent_and_own(_tool_turns(tmp_path, tool_model_dir, launch=ZERO3, bind="0|1", engine="colocate",
                                          vllm_tensor_parallel_size=2, loss_type="grpo", routing_replay="none"))
@@ -661,7 +661,7 @@ def test_stock_trl_at_tensor_parallel_2_misroutes_then_hangs(tool_model_dir, tmp
 def test_server_mode_two_processes_rank_divergent_tool_turns_r3(vllm_tool_server, tmp_path):
     """Two training processes on one `trl-gspo vllm-serve`: lockstep turns, the main process sends every rank's
     prompts and hands each rank back its completions and routes by the counts it sent."""
-    from test_tool_turns import assert_divergent_and_own
+    from support.tool_turn_runs import assert_divergent_and_own
 
     url, model_dir = vllm_tool_server
     result = _tool_turns(tmp_path, model_dir, engine="server", server=url, reference=True, loss_type="gspo",
