@@ -104,12 +104,11 @@ def stitch_turns(calls: Sequence[SamplerCall], prompt_ids: Sequence[Sequence[int
     first = calls[0]
     if len(first.prompt_ids) != batch or len(first.completion_ids) != batch:
         raise _refuse(f"the first call generated {len(first.prompt_ids)} completions for {batch} samples.")
-    tokens, turns = [], []  # per sample: the tokens its last call ended with; every call's (tokens, route rows)
+    turns = []  # per sample, every call's (tokens, route rows); the last call's tokens are what the sample holds
     for i in range(batch):
         if list(first.prompt_ids[i]) != list(prompt_ids[i]):
             raise _refuse(f"sample {i}'s prompt differs from the first call's prompt {i}.")
-        tokens.append(list(first.prompt_ids[i]) + list(first.completion_ids[i]))
-        turns.append([(tokens[i], _call_rows(first, i))])
+        turns.append([(list(first.prompt_ids[i]) + list(first.completion_ids[i]), _call_rows(first, i))])
     extended = list(range(batch))  # the samples the previous call extended, ascending
     for number, call in enumerate(calls[1:], start=2):
         taken, cursor = [], 0
@@ -118,22 +117,21 @@ def stitch_turns(calls: Sequence[SamplerCall], prompt_ids: Sequence[Sequence[int
             while cursor < len(extended):
                 i = extended[cursor]
                 cursor += 1
-                held = len(tokens[i])
-                if len(prompt) > held and finals[i][:len(prompt)] == prompt and prompt[:held] == tokens[i]:
+                held = turns[i][-1][0]
+                if len(prompt) > len(held) and finals[i][:len(prompt)] == prompt and prompt[:len(held)] == held:
                     break
             else:
                 raise _refuse(f"output {j} of call {number} continues none of the samples call {number - 1} "
                               "extended (matched by order and tokens).")
-            tokens[i] = prompt + list(call.completion_ids[j])
-            turns[i].append((tokens[i], _call_rows(call, j)))
+            turns[i].append((prompt + list(call.completion_ids[j]), _call_rows(call, j)))
             taken.append(i)
         extended = taken
     prompt_routes, completion_routes = [], []
     for i in range(batch):
-        final = finals[i]
-        if tokens[i][:len(final)] != final:
+        final, sampled = finals[i], turns[i][-1][0]
+        if sampled[:len(final)] != final:
             raise _refuse(f"sample {i}'s trained tokens differ from the tokens its sampler calls produced "
-                          f"({len(final)} trained, {len(tokens[i])} sampled).")
+                          f"({len(final)} trained, {len(sampled)} sampled).")
         # every call's tokens extend the previous call's and the final tokens are a prefix of the last: covered
         spans = first_computation_spans(final, [turn_tokens for turn_tokens, _ in turns[i]])
         rows = torch.cat([turns[i][k][1][start:stop] for k, start, stop in spans] or [turns[i][0][1][:0]])
