@@ -7,6 +7,7 @@ the key and the fix (values, the dataset, built-in model and task pairs, tools, 
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 
@@ -324,6 +325,13 @@ def hub_unreachable(timeout: float = HUB_PROBE_TIMEOUT) -> str | None:
     return outcome[0] if outcome else f"{host}:{port}: no answer within {timeout:g} s"
 
 
+@functools.lru_cache(maxsize=None)
+def _hub_unreachable_once(endpoint: str) -> str | None:
+    """`hub_unreachable()`, asked once per process and Hub endpoint: every dataset of a recipe shares the answer, so
+    an unreachable Hub costs one probe's timeout, not one per dataset."""
+    return hub_unreachable()
+
+
 class _CacheOnly:
     """`datasets` and `huggingface_hub` in offline mode (the cache only) inside the block, as with HF_HUB_OFFLINE=1."""
 
@@ -349,9 +357,10 @@ def _probe_dataset(key: str, path: str, config_name: str | None, **data):
     import contextlib
 
     import datasets
+    from huggingface_hub import constants
 
     offline = datasets.config.HF_HUB_OFFLINE
-    unreachable = None if offline else hub_unreachable()
+    unreachable = None if offline else _hub_unreachable_once(constants.ENDPOINT)
     try:
         with _CacheOnly() if unreachable else contextlib.nullcontext():
             return datasets.load_dataset_builder(path, config_name, **data).info

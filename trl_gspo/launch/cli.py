@@ -23,8 +23,8 @@ from ..config import BF16DeviceError
 from . import launching, multinode, quiet
 from .checks import check_launch, check_recipe
 from .recipe import (BUILTIN_PREFIX, COLD_START_LAUNCHERS, COLD_START_NOTE_ENV, GSPOScriptArguments,  # noqa: F401
-                     COLD_START_SECONDS_ENV, COMMAND_STARTED_ENV, RecipeError, cold_start_before_launch, describe,
-                     launch_options, launcher_type, make_parser, parse_recipe)
+                     COLD_START_SECONDS_ENV, COMMAND_STARTED_ENV, RecipeError, cold_start_before_launch,
+                     command_started, describe, launch_options, launcher_type, make_parser, parse_recipe)
 from .rewards import resolve_rewards
 from .tool_registry import resolve_tools, tool_budget_warning
 
@@ -80,13 +80,6 @@ def _cold_start_before_launch(argv: list[str], script_args, training_args, model
                      f"{script_args.sft_steps}): {path}"), time.perf_counter() - started
 
 
-def _process_started() -> float:
-    """When this process started (seconds since the epoch), its imports included."""
-    import psutil
-
-    return psutil.Process().create_time()
-
-
 def main(argv: list[str] | None = None) -> int:
     """Entry point of `trl-gspo`."""
     argv = list(sys.argv[1:] if argv is None else argv)
@@ -135,7 +128,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
 
     # When this command started: the run summary's wall time counts from there.
-    overrides, environment = [], {**os.environ, COMMAND_STARTED_ENV: str(_process_started())}
+    overrides, environment = [], {**os.environ, COMMAND_STARTED_ENV: str(command_started())}
     if cold_start_before_launch(script_args, model_args, launch_args):
         kind = COLD_START_LAUNCHERS[launcher_type(launch_args)]
         returncode, path, report, seconds = _cold_start_before_launch(argv, script_args, training_args, model_args,

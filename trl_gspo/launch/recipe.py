@@ -39,6 +39,18 @@ COLD_START_SECONDS_ENV = "TRL_GSPO_COLD_START_SECONDS"
 COMMAND_STARTED_ENV = "TRL_GSPO_COMMAND_STARTED"
 
 
+def command_started() -> float:
+    """When the command that runs this process started (seconds since the epoch): the `trl-gspo` command's start,
+    which it passes to the processes it launches (`COMMAND_STARTED_ENV`), else this process's own start (its imports
+    included)."""
+    import psutil
+
+    try:
+        return float(os.environ[COMMAND_STARTED_ENV])
+    except (KeyError, ValueError):
+        return psutil.Process().create_time()
+
+
 class RecipeError(ValueError):
     """A recipe or command line that cannot be run; the message names the key and the fix."""
 

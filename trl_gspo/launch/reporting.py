@@ -7,6 +7,8 @@ import time
 
 from transformers import TrainerCallback
 
+from .recipe import command_started
+
 CLIP_KEYS = ("clip_ratio/region_mean", "gspo/clipped_token_fraction")
 # TRL's tool-loop metrics (`tools/call_frequency`: tool calls per completion, `tools/failure_frequency`: share of
 # calls that failed) and GSPOTrainer's model turns per completion; logged only by a run with tools.
@@ -70,19 +72,6 @@ def plot_training_curves(log_history: list[dict], path: str, title: str = "") ->
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return path
-
-
-def command_started() -> float:
-    """When the command that runs this training started (seconds since the epoch): the `trl-gspo` command's start,
-    which it passes to the processes it launches (`COMMAND_STARTED_ENV`), else this process's own start."""
-    import psutil
-
-    from .recipe import COMMAND_STARTED_ENV
-
-    try:
-        return float(os.environ[COMMAND_STARTED_ENV])
-    except (KeyError, ValueError):
-        return psutil.Process().create_time()
 
 
 _WALL_TIME = object()  # where the wall-time line goes: filled in when the summary is printed
