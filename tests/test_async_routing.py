@@ -1,5 +1,5 @@
-"""R3 in the asynchronous trainer (trl_gspo/async_trainer/routing.py): a sequence's routes stitched from its turns, laid out in
-TRL's packed order, and forced in `AsyncGSPOTrainer`'s training step. Exactness: the packed step's loss and every
+"""R3 in the asynchronous trainer (trl_gspo/async_trainer/routing.py): a sequence's routes stitched from its turns, laid
+out in TRL's packed order, and forced in `AsyncGSPOTrainer`'s training step. Exactness: the packed step's loss and every
 parameter's gradient equal a float64 reference that scores each sample on its own (no packing) with the same routes
 forced; the routes are random, so a position given another sample's route, or none, would show."""
 

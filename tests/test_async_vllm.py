@@ -178,8 +178,8 @@ def test_a_transfer_that_does_not_arrive_is_seen(async_server, tmp_path):
 
 def test_r3_replays_the_routes_the_server_returned(async_server, tmp_path):
     """GSPO-token with `routing_replay="sampler"`: the server (`trl-gspo vllm-serve`, float32) returns each
-    completion's routes, TRL's rollout worker keeps them (trl_gspo/async_trainer/routing.py), the training forward forces
-    them. Step 1 trains samples of the weights it holds (staleness 0): the server's routes are the trainer's own
+    completion's routes, TRL's rollout worker keeps them (trl_gspo/async_trainer/routing.py), the training forward
+    forces them. Step 1 trains samples of the weights it holds (staleness 0): the server's routes are the trainer's own
     natural ones, float32 on both sides, so replay overrides (almost) nothing; every forwarded token but each
     sample's last has a route."""
     result = _run(tmp_path, async_server, trainer="gspo", loss_type="gspo_token", routing_replay="sampler",

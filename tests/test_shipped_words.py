@@ -107,7 +107,8 @@ def test_shipped_files_speak_of_the_product_only():
 
 def test_the_search_sees_every_kind_of_shipped_file():
     names = {name for name, _ in _shipped_files()}
-    assert {"README.md", "pyproject.toml", "CHANGELOG.md", "docs/results.md", "trl_gspo/trainer/gspo_trainer.py"} <= names
+    assert {"README.md", "pyproject.toml", "CHANGELOG.md", "docs/results.md",
+            "trl_gspo/trainer/gspo_trainer.py"} <= names
     assert any(name.startswith(".ci/") for name in names) and any(name.startswith("recipes/") for name in names)
     assert THIS not in names
 

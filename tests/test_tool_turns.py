@@ -2,7 +2,8 @@
 
 Each run is tests/scripts/tool_turns_run.py under `accelerate launch`: rank 0's samples call the tool in two turns, rank
 1's in one turn (fewer samples) or none, so the ranks reach each tool turn with different counts, or not at all.
-GSPOTrainer keeps the turns in lockstep where TRL's generation is collective (trl_gspo/trainer/tool_lockstep.py); the checks:
+GSPOTrainer keeps the turns in lockstep where TRL's generation is collective (trl_gspo/trainer/tool_lockstep.py); the
+checks:
 
 - every completion continues its own sample's history (each model segment was generated from exactly the tokens
   before it, by the ground truth: HF generate's rows, the vLLM engine's outputs, the server's answers);

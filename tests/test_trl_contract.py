@@ -279,8 +279,8 @@ def test_trl_reward_factories_we_build_exist_with_their_parameters():
 
 
 def test_tool_loop_internals_the_lockstep_relies_on():
-    """trl_gspo/trainer/tool_lockstep.py overrides `_tool_call_loop` (any arguments, passed through) and `_generate_single_turn`
-    (called positionally with these five arguments), reads the TP group and mode of TRL's `VLLMGeneration`, and sets
+    """trl_gspo/trainer/tool_lockstep.py overrides `_tool_call_loop` (any arguments, passed through) and
+    `_generate_single_turn` (called positionally with these five arguments), reads the TP group and mode of TRL's `VLLMGeneration`, and sets
     `max_new_tokens` / `min_new_tokens` of the trainer's `generation_config` for an empty turn. In a tool turn TRL
     calls `_generate_single_turn(..., num_generations=1)` for the tool-calling samples only, and its vLLM generate
     slices results by `process_index * len(prompts)` (server) or the rank in the TP group (TP > 1): the reasons for
@@ -456,7 +456,7 @@ def test_async_names_imported_from_trl():
                                                 "RolloutQueueDataset", "TokenBudgetBatcher", "_EmptyIterableDataset",
                                                 "_reduce_metric", "get_peak_flops_per_device")),
                           (async_rollout_worker, ("RolloutSample", "TrainingSequence", "RolloutGroup",
-                                                  "_AsyncRolloutLoop", "_common_prefix_len")),
+                                                  "_AsyncRolloutLoop")),
                           (packing, ("TreeRow", "_flash_attn", "tree_attention")),
                           (utils, ("pad",))):
         for name in names:
@@ -807,8 +807,8 @@ def test_async_batchers_and_empty_dataset():
 
 
 def test_async_tree_row_fields_and_pack():
-    """trl_gspo.async_trainer.routing.packed_routes reads `TreeRow.tokens`, `sample_nodes`, `samples` and packs the node ids in
-    place of the tokens to learn the packed order: `pack()` lays `tokens` out by node, so the packed `input_ids` are
+    """trl_gspo.async_trainer.routing.packed_routes reads `TreeRow.tokens`, `sample_nodes`, `samples` and packs the node
+    ids in place of the tokens to learn the packed order: `pack()` lays `tokens` out by node, so the packed `input_ids` are
     the tokens in that order. `segment_id` numbers the row's samples in `samples` order (the collator's
     `segment_version`), and each target's label sits at its `token_index`."""
     from trl.experimental.async_grpo.packing import TreeRow
@@ -969,17 +969,6 @@ def test_async_score_group_keeps_sequence_order():
     assert [s.input_ids.tolist() for s in samples] == [[1, 2], [1, 3], [1, 4, 5]]
     assert samples[0].advantage == samples[1].advantage < samples[2].advantage  # one advantage per conversation
     assert {(s.model_version, s.group_id) for s in samples} == {(3, 7)}
-
-
-def test_async_common_prefix_len():
-    """trl_gspo.async_trainer.routing.stitch_turn_routes calls TRL's `_common_prefix_len(a, b)` (the rollout worker's drift
-    check): the number of equal leading tokens."""
-    from trl.experimental.async_grpo.async_rollout_worker import _common_prefix_len
-
-    assert _parameters(_common_prefix_len) == ["a", "b", "chunk"]
-    assert _common_prefix_len([1, 2, 3], [1, 2, 4]) == 2 and _common_prefix_len([1, 2], [1, 2, 3]) == 2
-    assert _common_prefix_len([], [1]) == 0 and _common_prefix_len([5], [6]) == 0
-    assert _common_prefix_len(list(range(10)), [*range(7), 0, 0, 0], chunk=4) == 7
 
 
 def test_async_reduce_metric():

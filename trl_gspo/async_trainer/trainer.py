@@ -43,13 +43,13 @@ from trl.experimental.async_grpo.async_grpo_trainer import (
 from trl.trainer.utils import pad
 
 from .. import metrics as gspo_metrics
-from .config import AsyncGSPOConfig
-from .routing import RoutedRolloutLoop, packed_routes
 from ..config import GSPO_LOSS_TYPES, default_output_dir
 from ..lora_merge import exact_sync_stream, merge_calls_skipped
 from ..losses import gspo_packed_loss, nonfinite_counts, unpack_segments
 from ..routing.replay import RoutingReplay
 from ..trainer.lora import exact_sync_model
+from .config import AsyncGSPOConfig
+from .routing import RoutedRolloutLoop, packed_routes
 
 
 # The count each logged mean is taken over (the rest are extremes, spreads or per-rank gauges).
@@ -145,7 +145,7 @@ class AsyncGSPOTrainer(AsyncGRPOTrainer):
         self._policy_version = 0  # the weight version the policy holds, on every rank (`_sync_weight`)
         self._step_completions = None  # the optimizer step's completions over every rank (`get_batch_samples`)
         super().__init__(model, reward_funcs, args, *pargs, **kwargs)
-        self._exact_lora = exact_sync_model(self)  # LoRA synced as W + delta out of place (trl_gspo/trainer/lora.py), or None
+        self._exact_lora = exact_sync_model(self)  # LoRA synced as W + delta out of place (trainer/lora.py), or None
         self._routing = None
         if args.routing_replay == "sampler":
             self._routing = RoutingReplay(self.accelerator.unwrap_model(self.model))  # refuses a dense model

@@ -112,8 +112,8 @@ class GSPOScriptArguments(GRPOScriptArguments):
     failed_tool_credit: float | None = field(
         default=None,
         metadata={
-            "help": "Train with `trl_gspo.turn_advantages.ToolCreditGSPOTrainer`: this credit (e.g. -0.5) is added to the "
-            "advantage of the tokens of a turn whose tool call failed. Needs loss_type: gspo_token and tools."
+            "help": "Train with `trl_gspo.turn_advantages.ToolCreditGSPOTrainer`: this credit (e.g. -0.5) is added to "
+            "the advantage of the tokens of a turn whose tool call failed. Needs loss_type: gspo_token and tools."
         },
     )
     plot: bool = field(

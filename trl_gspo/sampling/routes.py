@@ -256,8 +256,8 @@ def _split_framed(route: FramedRoute, prompt_len: int, completion_len: int, inde
 def hand_out_choices(choices: list[dict], counts: list[int], accelerator) -> list[dict]:
     """Server mode, several processes: give each rank the choices of its slice, collectively. The main process holds
     every rank's choices in rank order, `counts[r]` of them for rank r (TRL's `process_slice`: equal counts; a lockstep
-    tool turn, `trl_gspo.trainer.tool_lockstep`: the counts each rank sent). It sends each other rank with a non-empty slice only
-    its choices' token ids (pickled, small) and, from a route frame, its arrays as a frame of their own (one flat
+    tool turn, `trl_gspo.trainer.tool_lockstep`: the counts each rank sent). It sends each other rank with a non-empty
+    slice only its choices' token ids (pickled, small) and, from a route frame, its arrays as a frame of their own (one flat
     uint8 tensor, `dist.send`: the routes are not pickled), read in place by the rank; base64 text from a JSON answer
     is sent as text and decoded by the rank. One rank at a time, each part dropped once sent."""
     import torch.distributed as dist
@@ -324,8 +324,8 @@ def capture_routes(vllm_generation, accelerator, split=None):
     """Around one TRL vLLM generate call (`VLLMGeneration.generate`), in every process. Yields
     `take(completion_lengths, index_dtype)`: the routes of the completions TRL kept for this process (its slice; see
     the module docstring). `take` is collective in server mode (the main process sends each rank its slice).
-    `split()`, read when `take` runs, gives the layout of a lockstep tool turn (`trl_gspo.trainer.tool_lockstep.TurnSplit`: the
-    group's counts and this rank's place) or None for TRL's equal slices."""
+    `split()`, read when `take` runs, gives the layout of a lockstep tool turn
+    (`trl_gspo.trainer.tool_lockstep.TurnSplit`: the group's counts and this rank's place) or None for TRL's equal slices."""
     layout = split if split is not None else (lambda: None)
     if vllm_generation.mode == "server":
         client = getattr(vllm_generation, "vllm_client", None)  # the main process's only

@@ -12,6 +12,7 @@ from transformers.utils import logging
 from trl import GRPOTrainer
 
 from .. import metrics as gspo_metrics
+from ..checkpoints import CheckpointMixin
 from ..config import (DEFAULT_MIN_ROUTE_AGREEMENT, DEFAULT_SERVER_STALL_TIMEOUT, GSPO_LOSS_TYPES, PAPER_EPSILON_HIGH,
                      PAPER_EPSILON_LOW, GSPOConfig, default_output_dir, refuse_unused_token_advantages,
                      runs_old_policy_pass, setup_summary, validate_gspo_args, warn_about_setup)
@@ -25,16 +26,15 @@ from ..losses import (
     masked_token_mean,
     nonfinite_counts,
 )
-from .model_checks import check_model
 from ..sampling.engine import check_sampler_at_start, engine_options, trainer_engine_options
 from ..sampling.mismatch import SamplerWatch, log_turns, sampling_metrics
 from ..sampling.old_logps import SamplerOldLogps
 from ..sampling.routes import capture_routes
 from ..sampling.server import server_failures
-from ..checkpoints import CheckpointMixin
 from .lora import TrainerLora
-from .tool_lockstep import ToolTurnsMixin
+from .model_checks import check_model
 from .routing import TrainerRouting, _first_adapter_layer, _reference_pass
+from .tool_lockstep import ToolTurnsMixin
 from .trl_options import apply_trl_options
 
 logger = logging.get_logger(__name__)  # transformers' logger: adds `warning_once`

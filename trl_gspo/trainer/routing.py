@@ -129,7 +129,7 @@ class TrainerRouting:
         with wrapping_method(target(), "generate", capturing):
             with record_generation(self.replay, self.temperature) as recording:
                 def finish(prompt_ids, completion_ids, logprobs):
-                    if not completion_ids:  # an empty tool turn (trl_gspo.trainer.tool_lockstep): nothing of this rank's
+                    if not completion_ids:  # an empty tool turn (trainer/tool_lockstep.py): nothing of this rank's
                         return []
                     if "sequences" not in captured:
                         raise RuntimeError("routing_replay='sampler': TRL generated without calling the model's "
