@@ -25,8 +25,8 @@ Options (JSON): config overrides, plus
     reference   with vLLM and R3: every policy pass is checked against routes laid out by hand from the raw engine
                 outputs (vllm_run.install_reference); the colocate engine serves perturbed routers (sync stubbed)
     hang_after  seconds of training after which every rank writes its threads' stacks to OUT_DIR/stacks_rank<R>.txt
-                and exits (faulthandler): bounds a hang of stock TRL and shows where each rank waits (a file per
-                rank: two ranks dumping into one pipe at once interleave their lines)
+                and, HANG_EXIT_GRACE seconds later, exits (faulthandler): bounds a hang of stock TRL and shows where
+                each rank waits (a file per rank: two ranks dumping into one pipe at once interleave their lines)
 
 Checks, gathered from every rank into one `RESULT {json}` line (rank 0):
     own_history  every model segment of every sample (a run of tool_mask 1) was produced by a generate call whose
@@ -63,6 +63,7 @@ except ImportError:
     pass
 
 CALLS_BY_KIND = {0: 2, 1: 1, 2: 0}  # A % 3 -> the number of tool turns
+HANG_EXIT_GRACE = 15  # seconds between a hung rank's stack dump and its exit (`hang_after`)
 
 
 def forced_calls(original):
@@ -318,10 +319,18 @@ def main():
 
         out_dir.mkdir(parents=True, exist_ok=True)
         stacks = open(out_dir / f"stacks_rank{os.environ.get('RANK', '0')}.txt", "w")  # open until the process ends
-        faulthandler.dump_traceback_later(hang_after, exit=True, file=stacks)
+        # Every rank dumps at hang_after and exits HANG_EXIT_GRACE seconds later: a rank that exited at once could end
+        # the other (its collective fails, or the launcher stops the group) before that rank's own dump.
+        faulthandler.dump_traceback_later(hang_after, exit=False, file=stacks)
+        import threading
+
+        exit_timer = threading.Timer(hang_after + HANG_EXIT_GRACE, os._exit, (1,))
+        exit_timer.daemon = True
+        exit_timer.start()
     trainer.train()
     if hang_after:
         faulthandler.cancel_dump_traceback_later()
+        exit_timer.cancel()
     from accelerate.utils import gather_object
 
     every_call = gather_object(calls)  # server mode: the main process's; colocate: each rank's engine's
