@@ -125,6 +125,63 @@ def test_a_sync_stream_that_copies_parameters_is_refused(tokenizer):
     assert "merge_adapter" not in vars(model)  # PEFT's methods are back
 
 
+def _server_trainer(model, main: bool):
+    """What TrainerLora reads of a GSPOTrainer in vLLM server mode, around TRL's own `VLLMGeneration.sync_weights`."""
+    from trl.generation.vllm_generation import VLLMGeneration
+
+    generation = VLLMGeneration.__new__(VLLMGeneration)
+    generation.model, generation.mode, generation.enable_sleep_mode, generation._weight_metadata = (
+        model, "server", False, None)
+    generation._dist = types.SimpleNamespace(gather_params=lambda params: contextlib.nullcontext(), is_fsdp=False)
+    accelerator = types.SimpleNamespace(is_main_process=main, unwrap_model=lambda m: m)
+    generation.accelerator = accelerator
+    sent = []
+    generation.vllm_client = types.SimpleNamespace(
+        update_named_params=lambda metadata, stream: sent.append({name: t.clone() for name, t in stream}),
+        reset_prefix_cache=lambda: None)
+    trainer = types.SimpleNamespace(model=model, accelerator=accelerator, use_vllm=True, is_fsdp_enabled=False,
+                                    vllm_generation=generation,
+                                    args=types.SimpleNamespace(exact_lora_merge=True, merge_adapters_for_rollout=True))
+    return trainer, sent
+
+
+@pytest.mark.parametrize("main", [True, False])
+def test_server_syncs_build_only_what_the_main_rank_sends(tokenizer, monkeypatch, main):
+    """The server's metadata walk and a non-main rank's walk send nothing: no `W + delta` is built for them. The main
+    rank builds each adapted tensor once per sync, and sends the folded weights."""
+    from trl_gspo.trainer.lora import TrainerLora
+
+    model = _peft_model(tokenizer, torch.bfloat16)
+    builds = _count_builds(monkeypatch)
+    trainer, sent = _server_trainer(model, main)
+    TrainerLora.build(trainer)
+    trainer.vllm_generation.sync_weights()  # the first sync: a metadata walk, then the sending walk
+    assert len(builds) == (8 if main else 0)
+    trainer.vllm_generation.sync_weights()
+    assert len(builds) == (16 if main else 0)
+    if main:
+        expected = dict(exact_sync_stream(model, _trl_stream(model)))
+        assert sent[0].keys() == expected.keys()
+        assert all(torch.equal(sent[1][name], expected[name]) for name in expected)
+
+
+def test_a_copying_stream_fails_at_the_servers_metadata_walk_before_anything_is_sent(tokenizer):
+    """A stream that copies the adapted tensors raises `LoraMergeError` on every rank during the metadata walk of the
+    first sync, before any tensor reaches the server's collective."""
+    from trl_gspo.trainer.lora import TrainerLora
+
+    for main in (True, False):
+        model = _peft_model(tokenizer, torch.float32)
+        trainer, sent = _server_trainer(model, main)
+        generation = trainer.vllm_generation
+        stream = generation._iter_named_params
+        generation._iter_named_params = lambda: ((name, t.clone()) for name, t in stream())
+        TrainerLora.build(trainer)
+        with pytest.raises(LoraMergeError, match="exact_lora_merge"):
+            generation.sync_weights()
+        assert sent == [] and generation._weight_metadata is None
+
+
 def _count_builds(monkeypatch):
     builds = []
     original = lora_merge.effective_weight

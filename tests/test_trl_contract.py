@@ -392,6 +392,36 @@ def test_vllm_weight_sync_stream_used_by_exact_lora_merge(tokenizer):
     assert callable(lora_layer._LoraFactorsProxy) and callable(lora_layer._LoraParameterProxy)
 
 
+def test_vllm_server_sync_walks_the_stream_for_metadata_first_and_non_main_ranks_only_join():
+    """`VLLMGeneration.sync_weights` in server mode: the first sync walks `_iter_named_params()` once while
+    `_weight_metadata` is None (names, dtypes, shapes only), then the main process sends a second walk through
+    `vllm_client.update_named_params`; other ranks walk it without sending. GSPOTrainer's LoRA sync builds `W + delta`
+    only for the walk that is sent (trl_gspo/trainer/lora.py)."""
+    import types
+
+    from trl.generation.vllm_generation import VLLMGeneration
+
+    for main in (True, False):
+        generation = VLLMGeneration.__new__(VLLMGeneration)
+        generation.mode, generation.enable_sleep_mode, generation._weight_metadata = "server", False, None
+        generation.accelerator = types.SimpleNamespace(is_main_process=main)
+        walks, sent = [], []
+
+        def walk():
+            walks.append(generation._weight_metadata is None)
+            yield "w", torch.zeros(2, 3)
+
+        generation._iter_named_params = walk
+        generation.vllm_client = types.SimpleNamespace(
+            update_named_params=lambda metadata, stream: sent.append((metadata, [name for name, _ in stream])),
+            reset_prefix_cache=lambda: None)
+        for _ in range(2):
+            generation.sync_weights()
+        assert walks == [True, False, False], walks  # one metadata walk, then one walk per sync
+        assert generation._weight_metadata == [("w", "float32", [2, 3])]
+        assert sent == ([([("w", "float32", [2, 3])], ["w"])] * 2 if main else [])
+
+
 # --------------------------------------------------------------------------- the asynchronous trainer
 # trl_gspo/async_trainer/ (trainer.py, routing.py, config.py) and the test stand-ins build on TRL 1.16's
 # `trl.experimental.async_grpo`, which TRL marks unstable. Its modules are imported inside the tests, so a release that

@@ -9,7 +9,8 @@ again. In bf16 the two roundings do not cancel: TRL merges and unmerges around e
   goes back. Costs one extra copy of the targeted weights for the duration of the block, no compute on exit.
 - `exact_sync_stream(model, stream)`: wraps a `(name, tensor)` stream of a weight sync (TRL's) and swaps each
   targeted base tensor for `W + delta`, one parameter at a time; TRL's own merge and unmerge do nothing meanwhile.
-  Costs one targeted parameter's copy at a time.
+  Costs the tensor being sent plus one slice of its delta (`effective_weight`); a pass whose tensors are not sent
+  (`build=False`: a metadata pass, a rank that only joins the gathers) builds nothing.
 
 `W + delta` is exactly the tensor PEFT's active forward builds for a parameter targeted directly (fused MoE experts,
 `target_parameters`): PEFT's own code builds it, so a forward with those weights merged equals the active forward
@@ -111,16 +112,51 @@ def _forward_time_weight(layer, weight: torch.Tensor) -> torch.Tensor:
     return lora_layer._LoraParameterProxy(delta)(weight)
 
 
+def _linear_delta_rows(layer, name: str, rows: slice) -> torch.Tensor:
+    """Rows `rows` of PEFT's `Linear.get_delta_weight(name)`, by PEFT's arithmetic: `(B[rows] @ A) * scaling`, in
+    float32 when bf16/fp16 adapters sit on a CPU, then in the adapters' dtype."""
+    weight_a, weight_b = layer.lora_A[name].weight, layer.lora_B[name].weight[rows]
+    dtype = weight_b.dtype
+    upcast = weight_b.device.type == "cpu" and dtype in (torch.float16, torch.bfloat16)
+    if upcast:
+        weight_a, weight_b = weight_a.float(), weight_b.float()
+    delta = (weight_b @ weight_a).mul_(layer.scaling[name])
+    return delta.to(dtype) if upcast else delta
+
+
+SLICES_PER_WEIGHT = 16  # an attention weight's W + delta is built this many rows at a time: one temporary of 1/16
+
+
+def _linear_effective_weight(target: AdapterTarget) -> torch.Tensor:
+    """`W + delta` of a plain `lora.Linear`, as PEFT's merge computes it (`W += delta`, added in the wider dtype and
+    rounded once per adapter), written into one new tensor of W's dtype a slice of rows at a time: the memory it
+    takes beyond the result is one slice's delta, not a full-size delta and a full-size sum."""
+    layer, weight = target.layer, target.parameter
+    if layer.fan_in_fan_out:  # W is stored transposed (GPT-2's Conv1D): PEFT's own arithmetic, whole
+        merged = weight
+        for name in _active(layer):
+            merged = (merged + layer.get_delta_weight(name)).to(weight.dtype)
+        return merged.detach()
+    result = torch.empty_like(weight)
+    step = max(1, -(-weight.shape[0] // SLICES_PER_WEIGHT))
+    for start in range(0, weight.shape[0], step):
+        rows = slice(start, start + step)
+        source = weight[rows]
+        for name in _active(layer):
+            torch.add(source, _linear_delta_rows(layer, name, rows), out=result[rows])
+            source = result[rows]
+    return result
+
+
 def effective_weight(target: AdapterTarget) -> torch.Tensor:
-    """`W + delta` of one target, detached, as a new tensor (`W` is not written)."""
-    layer = target.layer
+    """`W + delta` of one target, detached, as a new tensor of W's dtype (`W` is not written). Fused experts: the
+    tensor PEFT's active forward builds (one `baddbmm` into the result for one adapter). Attention: built a slice of
+    rows at a time (`_linear_effective_weight`). Beyond the result, a build holds at most a slice's delta, so a
+    sync's extra memory is about one adapted tensor (benchmarks/lora_sync.py measures it)."""
     with torch.no_grad():
         if target.expert_stack:
-            return _forward_time_weight(layer, target.parameter).detach()
-        weight = target.parameter
-        for name in _active(layer):  # PEFT's merge arithmetic (`W += delta`: added in the wider dtype, rounded once)
-            weight = (weight + layer.get_delta_weight(name)).to(target.parameter.dtype)
-        return weight.detach()
+            return _forward_time_weight(target.layer, target.parameter).detach()
+        return _linear_effective_weight(target)
 
 
 def model_is_whole(model: torch.nn.Module) -> bool:
@@ -194,13 +230,17 @@ def merge_calls_skipped(model: torch.nn.Module):
                 delattr(model, name)
 
 
-def exact_sync_stream(model: torch.nn.Module, stream: Callable[[], Iterator[tuple[str, torch.Tensor]]]
-                      ) -> Iterator[tuple[str, torch.Tensor]]:
+def exact_sync_stream(model: torch.nn.Module, stream: Callable[[], Iterator[tuple[str, torch.Tensor]]],
+                      build: bool = True) -> Iterator[tuple[str, torch.Tensor]]:
     """The `(name, tensor)` pairs of `stream()`, a weight sync that would merge the adapters in place with PEFT's
     `merge_adapter()` (TRL's), with that merge skipped and each targeted base tensor replaced by its `W + delta`,
     built when it is reached. A tensor is recognised by its storage, so the stream must hand out the parameters'
     own tensors (`param.data`, `param.detach()`): a stream that copies them (FSDP2's `full_tensor()`, an offloaded
-    parameter moved to the device) would leave adapters out, and raises `LoraMergeError` at its end instead."""
+    parameter moved to the device) would leave adapters out, and raises `LoraMergeError` at its end instead.
+
+    `build=False` is for a pass whose tensors nobody sends (the server's metadata pass reads names, dtypes and shapes;
+    a non-main rank only joins the gathers): each adapted base tensor is handed out as it is, which has the dtype and
+    shape of its `W + delta`, and the adapters are still matched, so that pass raises where a sending one would."""
     with merge_calls_skipped(model):
         targets = None
         sent = set()
@@ -210,7 +250,8 @@ def exact_sync_stream(model: torch.nn.Module, stream: Callable[[], Iterator[tupl
             target = targets.get(_key(tensor))
             if target is not None:
                 sent.add(target)
-                tensor = effective_weight(target)
+                if build:
+                    tensor = effective_weight(target)
             yield name, tensor
         missing = [target for target in (targets or {}).values() if target not in sent]
         if missing:

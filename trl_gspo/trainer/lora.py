@@ -67,7 +67,16 @@ class TrainerLora:
             return
         generation = self.trainer.vllm_generation
         stream = generation._iter_named_params  # TRL's: gathers ZeRO-3 parameters, names them as vLLM expects
-        generation._iter_named_params = lambda: exact_sync_stream(self.model, stream)
+        accelerator = self.trainer.accelerator
+
+        def sends() -> bool:
+            # server mode walks the stream once for the tensors' metadata, and non-main ranks walk it only to join
+            # the gathers: neither sends a tensor, so neither builds a W + delta
+            if generation.mode != "server":
+                return True
+            return accelerator.is_main_process and generation._weight_metadata is not None
+
+        generation._iter_named_params = lambda: exact_sync_stream(self.model, stream, build=sends())
 
     @contextlib.contextmanager
     def rollout(self):
