@@ -125,6 +125,31 @@ def test_a_sync_stream_that_copies_parameters_is_refused(tokenizer):
     assert "merge_adapter" not in vars(model)  # PEFT's methods are back
 
 
+def test_trained_token_rows_and_modules_to_save_are_sent_as_peft_merges_them(tokenizer):
+    """PEFT's merge also folds trained token rows (`trainable_token_indices`) into the embedding, and TRL's stream sends
+    a `modules_to_save` copy under the original's name: the exact sync sends both as PEFT would, bit for bit, and
+    leaves the base untouched."""
+    from peft import LoraConfig, get_peft_model
+
+    model = get_peft_model(build_model(tokenizer).to(torch.bfloat16), LoraConfig(
+        r=4, lora_alpha=8, target_modules=["q_proj"], trainable_token_indices=[3, 5, 7], modules_to_save=["norm"]))
+    generator = torch.Generator().manual_seed(0)
+    with torch.no_grad():  # trained adapters, token rows and saved module
+        for name, param in model.named_parameters():
+            if "lora_B" in name or "trainable_tokens_delta" in name or "modules_to_save" in name:
+                param.add_((torch.randn(param.shape, generator=generator) * 0.5).to(param.dtype))
+    assert adapter_targets(model) and all(t.token_rows for t in adapter_targets(model) if "Embedding" in
+                                          type(t.owner).__name__)
+    base = _base(model)
+    sent = dict(exact_sync_stream(model, _trl_stream(model)))
+    assert _changed(model, base) == []
+    stock = {name: tensor.clone() for name, tensor in _trl_stream(model)()}  # PEFT's in-place merge
+    assert sent.keys() == stock.keys()
+    embedding = next(name for name in sent if "embed_tokens" in name and name.endswith(".weight"))
+    assert not torch.equal(sent[embedding], base["base_model.model.model.embed_tokens.token_adapter.base_layer.weight"])
+    assert [name for name in sent if not torch.equal(sent[name], stock[name])] == []
+
+
 def _server_trainer(model, main: bool):
     """What TrainerLora reads of a GSPOTrainer in vLLM server mode, around TRL's own `VLLMGeneration.sync_weights`."""
     from trl.generation.vllm_generation import VLLMGeneration
@@ -133,13 +158,14 @@ def _server_trainer(model, main: bool):
     generation.model, generation.mode, generation.enable_sleep_mode, generation._weight_metadata = (
         model, "server", False, None)
     generation._dist = types.SimpleNamespace(gather_params=lambda params: contextlib.nullcontext(), is_fsdp=False)
-    accelerator = types.SimpleNamespace(is_main_process=main, unwrap_model=lambda m: m)
+    accelerator = types.SimpleNamespace(is_main_process=main, unwrap_model=lambda m: m, state=types.SimpleNamespace())
     generation.accelerator = accelerator
     sent = []
     generation.vllm_client = types.SimpleNamespace(
         update_named_params=lambda metadata, stream: sent.append({name: t.clone() for name, t in stream}),
         reset_prefix_cache=lambda: None)
     trainer = types.SimpleNamespace(model=model, accelerator=accelerator, use_vllm=True, is_fsdp_enabled=False,
+                                    is_deepspeed_enabled=False,
                                     vllm_generation=generation,
                                     args=types.SimpleNamespace(exact_lora_merge=True, merge_adapters_for_rollout=True))
     return trainer, sent
@@ -232,8 +258,28 @@ def test_rollouts_fold_the_experts_and_change_nothing_bit_for_bit(tmp_path, toke
     assert sum(builds) == 2 * 4  # the experts' W + delta: 4 tensors, built once in each of the 2 rollouts
     active = _train(tokenizer, tmp_path / "active", fold=False)
     assert len(blocks) == 4
+    held = [h.pop("lora/folded_rollout_bytes") for h in folded if "lora/folded_rollout_bytes" in h]
+    experts = sum(t.parameter.nbytes for t in adapter_targets(_peft_model(tokenizer, torch.bfloat16, **TARGETS),
+                                                                         experts_only=True))
+    assert held and set(held) == {float(experts)}  # the folded copy, logged: the experts' adapted weights
+    assert not any("lora/folded_rollout_bytes" in h for h in active)
     assert folded == active
     logs = [h for h in folded if "loss" in h]
     assert len(logs) == 8
     assert [h["gspo/log_ratio_abs_max"] for h in logs][::4] == [0.0, 0.0]  # on-policy: pi_theta == pi_old exactly
     assert max(h["gspo/log_ratio_abs_max"] for h in logs) > 0  # the adapters trained
+
+
+@pytest.mark.parametrize("held", [3 * 2**29, None])
+def test_the_run_summary_names_the_folded_rollouts_memory(held, tmp_path, capsys):
+    from trl_gspo.launch.reporting import RunReportCallback
+
+    history = [{"step": 1, "reward": 0.1}, {"step": 2, "reward": 0.2}]
+    if held is not None:
+        history[0]["lora/folded_rollout_bytes"] = history[1]["lora/folded_rollout_bytes"] = float(held)
+    args = types.SimpleNamespace(output_dir=str(tmp_path), loss_type="gspo")
+    state = types.SimpleNamespace(is_world_process_zero=True, log_history=history, global_step=2)
+    callback = RunReportCallback(plot=False)
+    callback.on_train_begin(args, state, None)
+    callback.on_train_end(args, state, None)
+    assert ("LoRA folded rollout:   1.500 GiB of expert weights held per rank" in capsys.readouterr().out) == bool(held)

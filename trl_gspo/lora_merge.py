@@ -45,6 +45,7 @@ class AdapterTarget:
     owner: torch.nn.Module
     name: str
     expert_stack: bool  # a parameter targeted directly (`lora.ParamWrapper`, e.g. fused MoE experts)
+    token_rows: bool = False  # an embedding with trained rows (`TrainableTokensLayer`)
 
     @property
     def parameter(self) -> torch.nn.Parameter:
@@ -59,40 +60,58 @@ def _lora_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
     return [module for module in model.modules() if isinstance(module, LoraLayer)]
 
 
+def _tuner_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """Every PEFT tuner layer (LoRA, trainable token rows, other tuners): what PEFT's `merge_adapter()` folds."""
+    try:
+        from peft.tuners.tuners_utils import BaseTunerLayer
+    except ImportError:
+        return []
+    return [module for module in model.modules() if isinstance(module, BaseTunerLayer)]
+
+
 def _active(layer) -> list[str]:
-    return [name for name in layer.active_adapters if name in layer.lora_A]
+    adapters = layer.lora_A if hasattr(layer, "lora_A") else getattr(layer, "trainable_tokens_delta", {})
+    return [name for name in layer.active_adapters if name in adapters]
 
 
 def _kind(layer) -> str | None:
-    """"experts" (`ParamWrapper`), "linear" (plain `lora.Linear`), or None when this module cannot fold it."""
+    """"experts" (`ParamWrapper`), "linear" (plain `lora.Linear`), "tokens" (`trainable_token_indices`), or None when
+    this module cannot fold it."""
     from peft.tuners.lora.layer import Linear, ParamWrapper
 
     if isinstance(layer, ParamWrapper):
         return "experts"
+    if type(layer).__name__ == "TrainableTokensLayer":
+        return "tokens"
     plain = not any(getattr(layer, "lora_variant", {}).get(name) for name in _active(layer)) and not any(
         getattr(layer, "lora_bias", {}).get(name) for name in _active(layer))
     return "linear" if type(layer) is Linear and plain else None
 
 
 def unmergeable_layers(model: torch.nn.Module) -> list[str]:
-    """Class names of the model's LoRA layers with active adapters that this module cannot fold (DoRA and other
-    variants, adapter biases, embeddings, convolutions): those keep PEFT's own paths."""
-    return sorted({type(layer).__name__ for layer in _lora_layers(model) if _active(layer) and _kind(layer) is None})
+    """Class names of the model's PEFT tuner layers with active adapters that this module cannot fold (DoRA and other
+    LoRA variants, adapter biases, LoRA on embeddings or convolutions, tuners other than LoRA): those keep PEFT's own
+    paths."""
+    return sorted({type(layer).__name__ for layer in _tuner_layers(model)
+                   if layer.active_adapters and not layer.disable_adapters and _kind(layer) is None})
 
 
 def adapter_targets(model: torch.nn.Module, experts_only: bool = False) -> list[AdapterTarget]:
-    """The base parameters whose adapters `merged_adapters` folds: every plain `lora.Linear` and every
-    `lora.ParamWrapper` with active, enabled, not yet merged adapters (`experts_only`: the latter alone)."""
+    """The base parameters whose adapters `merged_adapters` folds: every plain `lora.Linear`, every `lora.ParamWrapper`
+    and every embedding with trained token rows (`trainable_token_indices`) with active, enabled, not yet merged
+    adapters (`experts_only`: the `ParamWrapper`s alone)."""
     targets = []
-    for layer in _lora_layers(model):
+    for layer in _tuner_layers(model):
         kind = _kind(layer)
         if kind is None or not _active(layer) or layer.disable_adapters or layer.merged:
             continue
         if experts_only and kind != "experts":
             continue
+        if kind == "tokens" and layer.tied_adapter is not None:  # the same weight as the layer it is tied to
+            continue
         owner = layer.get_base_layer()
         name = layer.parameter_name if kind == "experts" else "weight"
-        targets.append(AdapterTarget(layer, owner, name, kind == "experts"))
+        targets.append(AdapterTarget(layer, owner, name, kind == "experts", kind == "tokens"))
     return targets
 
 
@@ -156,12 +175,35 @@ def effective_weight(target: AdapterTarget) -> torch.Tensor:
     with torch.no_grad():
         if target.expert_stack:
             return _forward_time_weight(target.layer, target.parameter).detach()
+        if target.token_rows:  # PEFT's merge: the trained rows replace the base's, out of place, exact
+            weight, layer = target.parameter, target.layer
+            for name in _active(layer):
+                rows = torch.tensor(layer.token_indices[name], device=weight.device)
+                weight = weight.index_copy(0, rows, layer.trainable_tokens_delta[name].to(weight))
+            return weight.detach()
         return _linear_effective_weight(target)
 
 
+def _whole_shape(target: AdapterTarget) -> bool:
+    """The base parameter and its adapters have the shapes the layer was built with (a sharding wrapper that flattens
+    parameters, as FSDP v1 does between forwards, leaves 1-D views of a shard)."""
+    layer, weight = target.layer, target.parameter
+    if target.token_rows:
+        return weight.dim() == 2
+    if target.expert_stack:
+        if weight.dim() != 3 or weight.shape[0] != layer.num_experts:
+            return False
+    elif tuple(weight.shape) != ((layer.in_features, layer.out_features) if layer.fan_in_fan_out
+                                 else (layer.out_features, layer.in_features)):
+        return False
+    return all(layer.lora_A[name].weight.dim() == 2 and layer.lora_B[name].weight.dim() == 2
+               for name in _active(layer))
+
+
 def model_is_whole(model: torch.nn.Module) -> bool:
-    """True when every parameter is a full local tensor: not a ZeRO-3 shard outside a gather, not an FSDP2 DTensor.
-    Folding needs the whole weight."""
+    """True when every parameter is a full local tensor: not a ZeRO-3 shard outside a gather, not an FSDP2 DTensor,
+    and every adapted weight and its adapters in the shapes their layers were built with (FSDP v1 with
+    `use_orig_params` leaves flat 1-D views of each rank's shard between forwards). Folding needs the whole weight."""
     try:
         from torch.distributed.tensor import DTensor
     except ImportError:
@@ -171,7 +213,7 @@ def model_is_whole(model: torch.nn.Module) -> bool:
             return False
         if hasattr(param, "ds_id") and (param.numel() == 0 or getattr(param.ds_status, "name", "") != "AVAILABLE"):
             return False
-    return True
+    return all(_whole_shape(target) for target in adapter_targets(model))
 
 
 @contextlib.contextmanager

@@ -17,6 +17,7 @@ TOOL_KEYS = ("tools/call_frequency", "tools/failure_frequency", "tools/turns_mea
 # weight the cap truncated or masked (`staleness_correction`).
 AGE_PREFIX = "gspo/clipped_sequence_fraction/age_"
 WEIGHT_CAPPED_KEY = "gspo/behaviour_weight/capped_fraction"
+FOLDED_KEY = "lora/folded_rollout_bytes"  # LoRA: the folded expert weights a rollout held (trl_gspo/trainer/lora.py)
 
 
 def _series(log_history: list[dict], key: str) -> tuple[list[int], list[float]]:
@@ -39,6 +40,8 @@ def summarize(log_history: list[dict]) -> dict:
                   key=lambda key: int(key[len(AGE_PREFIX):]))
     summary["clipped_by_age"] = {int(key[len(AGE_PREFIX):]): _mean(log_history, key) for key in ages}
     summary[WEIGHT_CAPPED_KEY] = _mean(log_history, WEIGHT_CAPPED_KEY)
+    _, held = _series(log_history, FOLDED_KEY)
+    summary[FOLDED_KEY] = max(held) if held else None
     return summary
 
 
@@ -154,6 +157,9 @@ class RunReportCallback(TrainerCallback):
                 + "  (gspo/clipped_sequence_fraction/age_K)"]
         if summary[WEIGHT_CAPPED_KEY] is not None:
             lines[-1:-1] = [f"  weights capped:        {fmt(summary[WEIGHT_CAPPED_KEY])}  (mean {WEIGHT_CAPPED_KEY})"]
+        if summary[FOLDED_KEY]:
+            lines[-1:-1] = [f"  LoRA folded rollout:   {summary[FOLDED_KEY] / 2**30:.3f} GiB of expert weights held per "
+                            f"rank (max {FOLDED_KEY}; merge_adapters_for_rollout: false saves it)"]
         lines += [f"  {note}" for note in self.notes]
         if self.plot:
             os.makedirs(args.output_dir, exist_ok=True)

@@ -7,8 +7,10 @@
 - A rollout (`merge_adapters_for_rollout`): HF generate and TRL's old-policy pass run with the experts' adapters
   folded, `W + delta` built once per rollout instead of in every forward (decode steps included). They are the
   tensors the active forward builds, so generation and the old-policy pass are bit for bit what they are with the
-  adapters active, and the on-policy ratio stays exactly 1. Only where the whole model is on the device; a ZeRO-3
-  model generating layer by layer (`ds3_gather_for_generation=False`) or an FSDP2 model keeps PEFT's active path.
+  adapters active, and the on-policy ratio stays exactly 1. Only where the whole weight is on the device: a ZeRO-3
+  model generating layer by layer (`ds3_gather_for_generation=False`), an FSDP model (v1 or v2) and ZeRO-3's
+  old-policy pass keep PEFT's active path, and under ZeRO-3 the copy folded for generation is freed when generation
+  ends. The copy's size is logged (`lora/folded_rollout_bytes`, once as a line, and in the run summary).
 """
 
 from __future__ import annotations
@@ -43,14 +45,25 @@ def exact_sync_model(trainer) -> torch.nn.Module | None:
     return model
 
 
+def _old_pass_runs_on_shards(trainer) -> bool:
+    """ZeRO-3 and FSDP: outside generation the model holds shards, so the old-policy pass cannot fold."""
+    plugin = getattr(trainer.accelerator.state, "deepspeed_plugin", None)
+    return bool(trainer.is_fsdp_enabled or (trainer.is_deepspeed_enabled and getattr(plugin, "zero_stage", 0) == 3))
+
+
 class TrainerLora:
     """Folds a `GSPOTrainer`'s LoRA adapters for its rollouts and weight syncs; `build` returns None without LoRA."""
+
+    FOLDED_BYTES = "lora/folded_rollout_bytes"  # the folded experts' copy a rollout held on this rank (0: none)
 
     def __init__(self, trainer, model):
         self.trainer, self.model = trainer, model
         self.cache: dict | None = None  # the experts' folded weights of the current rollout
         self.fold_rollout = getattr(trainer.args, "merge_adapters_for_rollout", True)
+        self.keep_for_old_pass = not _old_pass_runs_on_shards(trainer)
         self._adapter_layer = _first_adapter_layer(model)
+        self._held = 0  # bytes of folded weights this rollout held at most
+        self._announced = False
 
     @classmethod
     def build(cls, trainer) -> TrainerLora | None:
@@ -78,10 +91,14 @@ class TrainerLora:
 
         generation._iter_named_params = lambda: exact_sync_stream(self.model, stream, build=sends())
 
+    def _note_held(self) -> None:
+        self._held = max(self._held, sum(weight.nbytes for weight in self.cache.values()))
+
     @contextlib.contextmanager
     def rollout(self):
-        """One rollout: generation and the old-policy pass share the experts' folded weights, freed at its end."""
-        self.cache = {}
+        """One rollout: generation and the old-policy pass share the experts' folded weights, freed at its end (or as
+        soon as generation ends when the old-policy pass runs on shards and cannot use them)."""
+        self.cache, self._held = {}, 0
         generate = vars(self.model).get("generate")
         if self.fold_rollout and not self.trainer.use_vllm:
             original = self.model.generate
@@ -92,23 +109,43 @@ class TrainerLora:
                 # the experts only: attention LoRA costs two thin matmuls, and folding it would change the samples'
                 # log-probs by rounding; folding the experts changes nothing, bit for bit
                 with merged_adapters(self.model, experts_only=True, cache=self.cache):
-                    return original(*args, **kwargs)
+                    result = original(*args, **kwargs)
+                self._note_held()
+                if not self.keep_for_old_pass:  # ZeRO-3 / FSDP: gathered for generation only
+                    self.cache.clear()
+                return result
 
             self.model.generate = folded_generate  # TRL calls it inside its unwrap/gather context
         try:
             yield
         finally:
+            if self.cache:
+                self._note_held()
             self.cache = None
             if generate is None:
                 vars(self.model).pop("generate", None)
             else:  # an instance `generate` someone set before: back in place, not wrapped once more per rollout
                 self.model.generate = generate
+            self._report_held()
+
+    def _report_held(self) -> None:
+        if not self.fold_rollout:
+            return
+        self.trainer._metrics["train" if self.trainer.model.training else "eval"][self.FOLDED_BYTES].append(
+            float(self._held))
+        if self._held and not self._announced and self.trainer.accelerator.is_main_process:
+            self._announced = True
+            span = ("from generation to the end of the old-policy pass" if self.keep_for_old_pass else
+                    "during generation only (the old-policy pass runs on shards)")
+            logger.info(f"LoRA: a rollout holds {self._held / 2**30:.3f} GiB of folded expert weights (W + delta) on "
+                        f"each rank, {span}; `merge_adapters_for_rollout: false` saves it (docs/lora.md).")
 
     def old_policy_pass(self, model, grad_enabled: bool):
         """A context for one of TRL's log-prob passes: the experts folded for a no-grad pass of the policy within a
         rollout, else nothing."""
         unwrapped = self.trainer.accelerator.unwrap_model(model)
         if (not self.fold_rollout or self.cache is None or grad_enabled or unwrapped is not self.model
-                or _reference_pass(self._adapter_layer) or not model_is_whole(self.model)):
+                or not self.keep_for_old_pass or _reference_pass(self._adapter_layer) or not model_is_whole(self.model)):
             return contextlib.nullcontext()
         return merged_adapters(self.model, experts_only=True, cache=self.cache)
+
