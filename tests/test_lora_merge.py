@@ -208,6 +208,62 @@ def test_a_copying_stream_fails_at_the_servers_metadata_walk_before_anything_is_
         assert sent == [] and generation._weight_metadata is None
 
 
+class _PackedTransfer:
+    """The server side of TRL's packed weight transfer (`VLLMClient.update_named_params`): the `/update_weights`
+    request runs in a thread and returns only once every announced tensor has arrived, while the trainer's thread
+    streams them. A real server waits forever for a missing tensor; this one gives up after `patience` seconds."""
+
+    def __init__(self, patience: float):
+        import queue
+
+        self.patience, self.arrived, self.received = patience, queue.Queue(), []
+
+    def update_named_params(self, metadata, named_params):
+        import concurrent.futures
+
+        def server():
+            for _ in metadata:
+                self.received.append(self.arrived.get(timeout=self.patience))
+
+        with concurrent.futures.ThreadPoolExecutor(max_workers=1) as executor:
+            request = executor.submit(server)
+            for name, tensor in named_params:
+                self.arrived.put(name)
+            request.result()
+
+
+def test_a_failure_mid_way_through_a_server_sync_stops_the_run_without_a_hang(tokenizer, monkeypatch):
+    """Building one `W + delta` fails half-way through the stream the server is receiving: the transfer still
+    completes (every announced tensor arrives, so the server's request returns), and the sync raises one
+    LoraMergeError at once, naming the tensor and chained to the cause."""
+    import time
+
+    from trl_gspo.trainer.lora import TrainerLora
+
+    model = _peft_model(tokenizer, torch.bfloat16)
+    trainer, _ = _server_trainer(model, main=True)
+    transfer = _PackedTransfer(patience=30.0)
+    trainer.vllm_generation.vllm_client.update_named_params = transfer.update_named_params
+    TrainerLora.build(trainer)
+    base = _base(model)
+    builds, original = [], lora_merge.effective_weight
+
+    def failing(target):
+        builds.append(target)
+        if len(builds) == 4:
+            raise RuntimeError("out of memory (simulated)")
+        return original(target)
+
+    monkeypatch.setattr(lora_merge, "effective_weight", failing)
+    start = time.monotonic()
+    with pytest.raises(LoraMergeError, match="simulated") as raised:
+        trainer.vllm_generation.sync_weights()
+    assert time.monotonic() - start < 10  # not the server's patience: nothing waited on a missing tensor
+    assert isinstance(raised.value.__cause__.__cause__, RuntimeError)
+    assert len(transfer.received) == len(trainer.vllm_generation._weight_metadata)
+    assert _changed(model, base) == [] and "merge_adapter" not in vars(model)
+
+
 def _count_builds(monkeypatch):
     builds = []
     original = lora_merge.effective_weight

@@ -273,7 +273,8 @@ def merge_calls_skipped(model: torch.nn.Module):
 
 
 def exact_sync_stream(model: torch.nn.Module, stream: Callable[[], Iterator[tuple[str, torch.Tensor]]],
-                      build: bool = True) -> Iterator[tuple[str, torch.Tensor]]:
+                      build: bool = True, errors: list[BaseException] | None = None
+                      ) -> Iterator[tuple[str, torch.Tensor]]:
     """The `(name, tensor)` pairs of `stream()`, a weight sync that would merge the adapters in place with PEFT's
     `merge_adapter()` (TRL's), with that merge skipped and each targeted base tensor replaced by its `W + delta`,
     built when it is reached. A tensor is recognised by its storage, so the stream must hand out the parameters'
@@ -282,7 +283,11 @@ def exact_sync_stream(model: torch.nn.Module, stream: Callable[[], Iterator[tupl
 
     `build=False` is for a pass whose tensors nobody sends (the server's metadata pass reads names, dtypes and shapes;
     a non-main rank only joins the gathers): each adapted base tensor is handed out as it is, which has the dtype and
-    shape of its `W + delta`, and the adapters are still matched, so that pass raises where a sending one would."""
+    shape of its `W + delta`, and the adapters are still matched, so that pass raises where a sending one would.
+
+    `errors`: for a consumer that must receive every announced tensor or wait forever (a vLLM server's packed
+    transfer): a failure is appended there instead of raised, the tensor's base weight goes in its place, and the
+    stream ends normally; the caller raises once the transfer is complete."""
     with merge_calls_skipped(model):
         targets = None
         sent = set()
@@ -293,12 +298,22 @@ def exact_sync_stream(model: torch.nn.Module, stream: Callable[[], Iterator[tupl
             if target is not None:
                 sent.add(target)
                 if build:
-                    tensor = effective_weight(target)
+                    try:
+                        tensor = effective_weight(target)
+                    except Exception as error:
+                        if errors is None:
+                            raise
+                        errors.append(LoraMergeError(f"building `W + delta` of {name} for the weight sync failed "
+                                                     f"({type(error).__name__}: {error})"))
+                        errors[-1].__cause__ = error
             yield name, tensor
         missing = [target for target in (targets or {}).values() if target not in sent]
         if missing:
             names = sorted({type(t.owner).__name__ + "." + t.name for t in missing})
-            raise LoraMergeError(
+            error = LoraMergeError(
                 f"the weight sync sent {len(missing)} adapted base tensors ({names[:3]}) without their adapters: "
                 "the stream copied them instead of handing out the parameters. Fix: set "
                 "`exact_lora_merge=False` to fall back to PEFT's in-place merge (the base drifts by rounding).")
+            if errors is None:
+                raise error
+            errors.append(error)

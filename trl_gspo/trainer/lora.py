@@ -20,7 +20,8 @@ import contextlib
 import torch
 from transformers.utils import logging
 
-from ..lora_merge import adapter_targets, exact_sync_stream, merged_adapters, model_is_whole, unmergeable_layers
+from ..lora_merge import (LoraMergeError, adapter_targets, exact_sync_stream, merged_adapters, model_is_whole,
+                          unmergeable_layers)
 from .routing import _first_adapter_layer, _reference_pass
 
 logger = logging.get_logger(__name__)
@@ -45,10 +46,25 @@ def exact_sync_model(trainer) -> torch.nn.Module | None:
     return model
 
 
-def _old_pass_runs_on_shards(trainer) -> bool:
-    """ZeRO-3 and FSDP: outside generation the model holds shards, so the old-policy pass cannot fold."""
+def _zero3(trainer) -> bool:
     plugin = getattr(trainer.accelerator.state, "deepspeed_plugin", None)
-    return bool(trainer.is_fsdp_enabled or (trainer.is_deepspeed_enabled and getattr(plugin, "zero_stage", 0) == 3))
+    return bool(trainer.is_deepspeed_enabled and getattr(plugin, "zero_stage", 0) == 3)
+
+
+def _fsdp_version(trainer) -> int | None:
+    plugin = getattr(trainer.accelerator.state, "fsdp_plugin", None)
+    return getattr(plugin, "fsdp_version", 1) if trainer.is_fsdp_enabled else None
+
+
+def check_lora_layout(trainer, model) -> None:
+    """Refuse, before any compute, a LoRA layout that cannot train: LoRA on fused expert parameters under FSDP v1,
+    where PEFT reads the adapters' weights outside their modules' forward and finds flat shards (it fails at the first
+    generation, adapters active or folded)."""
+    if _fsdp_version(trainer) == 1 and any(target.expert_stack for target in adapter_targets(model)):
+        raise ValueError(
+            "LoRA on fused expert parameters (`target_parameters`) cannot run under FSDP v1: PEFT reads those "
+            "adapters' weights outside their modules' forward, where FSDP v1 holds flat shards. Fix: `fsdp_version: 2` "
+            "in the accelerate config, DeepSpeed ZeRO-3, or LoRA on `target_modules` only (docs/lora.md).")
 
 
 class TrainerLora:
@@ -60,7 +76,12 @@ class TrainerLora:
         self.trainer, self.model = trainer, model
         self.cache: dict | None = None  # the experts' folded weights of the current rollout
         self.fold_rollout = getattr(trainer.args, "merge_adapters_for_rollout", True)
-        self.keep_for_old_pass = not _old_pass_runs_on_shards(trainer)
+        # ZeRO-3 and FSDP hold shards outside generation: the old-policy pass cannot fold. Generation folds only
+        # inside TRL's whole-model gather: ZeRO-3's own hooks would overwrite a folded weight when they fetch it
+        # layer by layer (`ds3_gather_for_generation=False`), and FSDP generates unit by unit.
+        self.keep_for_old_pass = not (_zero3(trainer) or trainer.is_fsdp_enabled)
+        self.fold_generation = self.fold_rollout and not trainer.is_fsdp_enabled and not (
+            _zero3(trainer) and not getattr(trainer.args, "ds3_gather_for_generation", True))
         self._adapter_layer = _first_adapter_layer(model)
         self._held = 0  # bytes of folded weights this rollout held at most
         self._announced = False
@@ -70,6 +91,7 @@ class TrainerLora:
         model = trainer.accelerator.unwrap_model(trainer.model)
         if not adapter_targets(model):
             return None
+        check_lora_layout(trainer, model)
         lora = cls(trainer, model)
         if trainer.use_vllm:
             lora._install_exact_sync()
@@ -89,7 +111,29 @@ class TrainerLora:
                 return True
             return accelerator.is_main_process and generation._weight_metadata is not None
 
-        generation._iter_named_params = lambda: exact_sync_stream(self.model, stream, build=sends())
+        if generation.mode != "server":
+            generation._iter_named_params = lambda: exact_sync_stream(self.model, stream, build=sends())
+            return
+        # The server receives a packed transfer of every announced tensor while its /update_weights request waits: a
+        # stream that stopped early would leave both waiting. A failure is kept, the transfer completes (base weights
+        # in place of a failed `W + delta`), and the sync raises it once the server has everything.
+        errors: list[BaseException] = []
+
+        def server_stream():
+            build = sends()  # a walk that sends nothing (metadata, non-main ranks) raises at once
+            return exact_sync_stream(self.model, stream, build=build, errors=errors if build else None)
+
+        generation._iter_named_params = server_stream
+        sync = generation.sync_weights
+
+        def sync_then_raise():
+            errors.clear()
+            sync()
+            if errors:
+                raise LoraMergeError(f"{errors[0]} The transfer to the vLLM server was completed with the base "
+                                     "weights in its place, so nothing waits on it; the run stops here.") from errors[0]
+
+        generation.sync_weights = sync_then_raise
 
     def _note_held(self) -> None:
         self._held = max(self._held, sum(weight.nbytes for weight in self.cache.values()))
@@ -100,7 +144,7 @@ class TrainerLora:
         soon as generation ends when the old-policy pass runs on shards and cannot use them)."""
         self.cache, self._held = {}, 0
         generate = vars(self.model).get("generate")
-        if self.fold_rollout and not self.trainer.use_vllm:
+        if self.fold_generation and not self.trainer.use_vllm:
             original = self.model.generate
 
             def folded_generate(*args, **kwargs):
