@@ -175,3 +175,14 @@ def test_async_staleness_trains_each_arm_and_summarizes_its_runs(tmp_path):
     # The decoupled objective: the band against the trainer's own weights never binds; the sampler gap is measured.
     assert float(rows["dec_trunc2", "2"][3]) == 0.0 and float(rows["dec_trunc2", "2"][5]) > 0
     assert _run(BENCHMARKS / "async_staleness.py", "--summarize", runs)[-1] == lines[-1]
+
+
+def test_a_lora_sync_holds_at_most_one_and_a_half_adapted_tensors():
+    """benchmarks/lora_sync.py at the tiny size: the sync's peak above what it started with stays within 1.5 of the
+    largest adapted tensor (counted by tensors, not timed), and an attention weight built a slice of rows at a time
+    is bit for bit PEFT's merge arithmetic on a CPU."""
+    lines = _run(BENCHMARKS / "lora_sync.py", "--size", "tiny", "--rank", "4", "--repeats", "1")
+    assert float(re.fullmatch(r"lora_sync_memory: (\d+\.\d+) \(target <= 1\.5\)", lines[-1]).group(1)) <= 1.5
+    attention = next(line for line in lines if line.startswith("one attention tensor's build"))
+    count = re.search(r"PEFT's merge arithmetic: (\d+) of (\d+)", attention)
+    assert count.group(1) == count.group(2)

@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # The LoRA checks at the flagship's layer widths as one bounded command, for a bare one-GPU machine:
 #   bash benchmarks/reproduce/gpu_lora.sh [OUT_DIR] [COMMIT]     # on the GPU machine, from the repo root
-# (carry the wheels of benchmarks/reproduce/gpu_acceptance.sh's header in .whl/). The benchmarks have the GPU to
-# themselves (timed ratios and allocator peaks); `pytest -m gpu` runs last. Ends within about 480 s.
+# (the packages the GPU image lacks as wheels in .whl/, as gpu_acceptance.sh's header says). The benchmarks have
+# the GPU to themselves (timed ratios and allocator peaks); `pytest -m gpu` runs last. Ends within about 480 s.
 # Logs: env.txt, bench.log, gpu_tests.log.
 set -u
 OUT_DIR=${1:-outputs/gpu_lora}

@@ -8,8 +8,9 @@ FSDP on CPU: accelerate runs no FSDP without a GPU, so under an FSDP config this
 backend a GPU would (gloo instead of NCCL) and trains on the CPU; a test's stand-in for the GPU layout, never training.
 
 Prints one line on the main process, `RESULT {json}`: per run (`fold`, `active`) the folded blocks by pass, the most
-bytes of folded weights a rollout held (`lora/folded_rollout_bytes`), the base tensors that changed (gathered whole
-on every layout), and the logged history without times.
+bytes of folded weights a rollout held (`lora/folded_rollout_bytes`), whether `model_is_whole` sees whole weights
+after training (outside any gather), the base tensors that changed (gathered whole on every layout), and the logged
+history without times.
 """
 
 import argparse
@@ -124,7 +125,10 @@ def run(fold: bool) -> dict:
     history = [{k: v for k, v in h.items() if "time" not in k and "runtime" not in k and "per_second" not in k}
                for h in trainer.state.log_history]
     held = [h.pop("lora/folded_rollout_bytes") for h in history if "lora/folded_rollout_bytes" in h]
+    from trl_gspo.lora_merge import model_is_whole
+
     return {"folds": {name: folds.count(name) for name in ("generate", "old_pass")},
+            "whole_between_steps": model_is_whole(trainer.accelerator.unwrap_model(trainer.model)),
             "held": max(held) if held else None,
             "base_changed": [name for name in before if not torch.equal(after[name], before[name])],
             "history": history, "is_main": trainer.accelerator.is_main_process,
