@@ -337,3 +337,16 @@ def test_lora_weight_syncs_keep_a_bf16_base_bitwise_frozen(tiny_moe_dir, tokeniz
     last = transfer.syncs[-1]
     assert last.keys() == folded.keys()
     assert all(torch.equal(last[name], folded[name]) for name in last)
+
+
+def test_the_adaptive_clip_band_moves_with_the_clipped_share(tiny_moe_dir, tokenizer, tmp_path):
+    """clip_band="adaptive" in AsyncGSPOTrainer: samples far from the trainer (the queued log-probs are a constant)
+    clip almost everything, so the band widens every step, at most 2x, and is logged with the share it saw."""
+    trainer = _trainer(tiny_moe_dir, tokenizer, tmp_path, _rollout_samples([0] * 8), max_steps=2,
+                       per_device_train_batch_size=8, max_staleness=4, clip_band="adaptive")
+    trainer.train()
+    logs = [h for h in trainer.state.log_history if "loss" in h]
+    bands = [h["gspo/clip_epsilon_low"] for h in logs]
+    assert len(bands) == 2 and all(h["gspo/clip_band_clipped_fraction"] > 0.15 for h in logs)
+    assert bands == pytest.approx([EPS_LOW * 2, EPS_LOW * 4])  # widened by the most one step allows
+    assert (trainer.epsilon_low, trainer.epsilon_high) == pytest.approx((EPS_LOW * 4, EPS_HIGH * 4))

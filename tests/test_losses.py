@@ -24,6 +24,7 @@ import torch
 
 from trl_gspo.losses import (
     _clipped_surrogate,
+    adaptive_clip_epsilon,
     adaptive_entropy_coef,
     applied_entropy_coef,
     gspo_loss,
@@ -908,3 +909,54 @@ def test_nonfinite_counts_respect_the_mask_and_name_the_input():
     with pytest.raises(ValueError, match="`old_logps` contains 1 NaN/Inf"):
         raise_if_nonfinite([0, 1, 1])
     raise_if_nonfinite([0, 0, 0])
+
+
+def _clipped_token_share(sigma: float, epsilon: float, epsilon_high: float, generator) -> float:
+    """One step of a synthetic ratio stream: 256 completions of 1-24 tokens whose sequence log-ratios are
+    N(0, sigma), advantages +-1; the share of completion tokens gspo_loss clipped."""
+    lengths = torch.randint(1, 25, (256,), generator=generator)
+    mask = (torch.arange(24)[None, :] < lengths[:, None]).float()
+    shift = torch.randn(256, generator=generator, dtype=torch.float64) * sigma
+    old = torch.randn(256, 24, generator=generator, dtype=torch.float64) - 2.0
+    logps = old + shift[:, None]  # every token moved by the same amount: log s_i = shift exactly
+    advantages = torch.randint(0, 2, (256,), generator=generator).double() * 2 - 1
+    out = gspo_loss(logps, old, advantages, mask, epsilon, epsilon_high)
+    return float(((out.low_clipped | out.high_clipped).double() * mask).sum() / mask.sum())
+
+
+@pytest.mark.parametrize("sigma", [1e-4, 1e-1])
+def test_adaptive_clip_band_reaches_its_target_at_any_movement(sigma):
+    """From the paper's band, the adaptive band settles where it clips its target share of tokens, whether one step
+    moves a sequence by 1e-4 (below the paper's band) or by 1e-1 (300x above it): the band scales with the movement.
+    """
+    generator = torch.Generator().manual_seed(0)
+    epsilon, ratio, target, shares = 3e-4, 4 / 3, 0.15, []
+    for _ in range(300):
+        share = _clipped_token_share(sigma, epsilon, epsilon * ratio, generator)
+        shares.append(share)
+        epsilon = adaptive_clip_epsilon(epsilon, share, target, epsilon_min=1e-5, epsilon_max=0.2)
+    settled = shares[150:]
+    assert abs(sum(settled) / len(settled) - target) < 0.03
+    # and the band it settled on is of the movement's size (sequence |log s| beyond ~1 sigma clip on one side)
+    assert 0.3 * sigma < epsilon < 3 * sigma
+
+
+def test_adaptive_clip_band_stays_within_its_bounds_when_ratios_blow_up_or_vanish():
+    generator = torch.Generator().manual_seed(1)
+    epsilon, seen = 3e-4, []
+    for sigma in [50.0] * 60 + [0.0] * 60:  # a diverging policy, then one that does not move at all
+        share = _clipped_token_share(sigma, epsilon, epsilon * 4 / 3, generator)
+        epsilon = adaptive_clip_epsilon(epsilon, share, 0.15, epsilon_min=1e-5, epsilon_max=0.2)
+        seen.append(epsilon)
+    assert max(seen) == 0.2 and seen[59] == 0.2  # widened to its bound and no further: still a trust region
+    assert min(seen) == 1e-5 and seen[-1] == 1e-5
+    steps = [b / a for a, b in zip([3e-4] + seen, seen)]
+    assert max(steps) <= 2.0 + 1e-12 and min(steps) >= 0.5 - 1e-12  # at most 2x per optimizer step
+
+
+def test_adaptive_clip_epsilon_formula_against_its_definition():
+    for epsilon, clipped, target in [(3e-4, 0.15, 0.15), (3e-4, 0.6, 0.15), (1e-2, 0.0, 0.15), (0.1, 0.2, 0.3)]:
+        factor = min(max((clipped + 0.01) / (target + 0.01), 0.5), 2.0)
+        expected = min(max(epsilon * factor, 1e-5), 0.2)
+        assert adaptive_clip_epsilon(epsilon, clipped, target, 1e-5, 0.2) == pytest.approx(expected, rel=1e-15)
+    assert adaptive_clip_epsilon(3e-4, 0.15, 0.15, 1e-5, 0.2) == 3e-4  # on target: unchanged

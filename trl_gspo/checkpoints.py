@@ -244,12 +244,18 @@ class CheckpointMixin:
                                              warn=hf_logger.warning_once)
             if restored is not None:
                 self._step, self._buffered_inputs = restored  # TRL's micro-step counter and rollout mini-batches
+            band = getattr(self, "_adaptive_band", None)
+            if band is not None and band.load(checkpoint):  # clip_band="adaptive": the band the run had
+                self.epsilon_low, self.epsilon_high = band.band
         return super().train(checkpoint, *args, **kwargs)
 
     def _save_rng_state(self, output_dir: str) -> None:
         super()._save_rng_state(output_dir)
         save_rollout_buffer(rollout_buffer_path(output_dir, self.args.process_index), self._step,
                             self._buffered_inputs, rollout_layout(self.args, self.num_iterations))
+        band = getattr(self, "_adaptive_band", None)
+        if band is not None and self.args.should_save:  # the same on every rank: the main process writes it
+            band.save(output_dir)
         # trainer_state.json, written next by rank 0, marks the checkpoint complete: every rank's files come first.
         self.accelerator.wait_for_everyone()
 

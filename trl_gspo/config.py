@@ -69,6 +69,24 @@ PAPER_BETA = 0.0
 PAPER_MINI_BATCHES_PER_ROLLOUT = 4
 
 
+# The adaptive clip band's options, shared by GSPOConfig and AsyncGSPOConfig (trl_gspo/trainer/clip_band.py).
+CLIP_BAND_FIELDS = {
+    "clip_band": dict(default="fixed", metadata={
+        "help": "GSPO's clip band. 'fixed': epsilon / epsilon_high throughout. 'adaptive': starts there and moves "
+        "after every optimizer step toward clipping clip_band_target of the completion tokens (the paper's operating "
+        "point), within [clip_band_min, clip_band_max], whatever one step moves a sequence "
+        "(docs/gspo.md#a-clip-band-set-by-the-run). gspo / gspo_token only."}),
+    "clip_band_target": dict(default=0.15, metadata={
+        "help": "With clip_band='adaptive': the share of completion tokens the band aims to clip (the GSPO paper "
+        "reports ~15% clipped with its band on Qwen3-30B-A3B)."}),
+    "clip_band_min": dict(default=1e-5, metadata={
+        "help": "With clip_band='adaptive': the narrowest epsilon the band may reach."}),
+    "clip_band_max": dict(default=0.2, metadata={
+        "help": "With clip_band='adaptive': the widest epsilon the band may reach (TRL's token-level band): a "
+        "diverging policy still meets a trust region."}),
+}
+
+
 @dataclass
 class GSPOConfig(GRPOConfig):
     """Configuration for `GSPOTrainer`: every `trl.GRPOConfig` field, plus GSPO's loss types and presets.
@@ -108,6 +126,10 @@ class GSPOConfig(GRPOConfig):
         exact_lora_merge (`bool`, defaults to `True`):
             With LoRA and vLLM: weight syncs send `W + delta` built out of place, one parameter at a time, so the
             frozen base stays bit for bit unchanged (TRL's in-place merge and unmerge drift it in bf16).
+        clip_band (`str`, defaults to `"fixed"`):
+            `"adaptive"`: the band starts at `epsilon` / `epsilon_high` and moves after every optimizer step toward
+            clipping `clip_band_target` (0.15) of the completion tokens, within `[clip_band_min, clip_band_max]`
+            (1e-5, 0.2), the same on every rank and saved with checkpoints (docs/gspo.md).
     """
 
     loss_type: str = field(
@@ -223,6 +245,10 @@ class GSPOConfig(GRPOConfig):
             "merge_adapter()/unmerge_adapter(), whose bf16 rounding moves the base at every sync (docs/lora.md)."
         },
     )
+    clip_band: str = field(**CLIP_BAND_FIELDS["clip_band"])
+    clip_band_target: float = field(**CLIP_BAND_FIELDS["clip_band_target"])
+    clip_band_min: float = field(**CLIP_BAND_FIELDS["clip_band_min"])
+    clip_band_max: float = field(**CLIP_BAND_FIELDS["clip_band_max"])
 
     def __post_init__(self):
         _check_types(self)
@@ -250,6 +276,8 @@ _FIELD_TYPES = {"loss_type": (str, "a string", "'gspo'"), "importance_sampling_l
                 "vllm_dtype": (str, "a string", "'float32'"),
                 "vllm_server_stall_timeout": (numbers.Real, "a number of seconds", "600"), "old_logps": (str, "a string", "'sampler'"),
                 "epsilon": (numbers.Real, "a number", "3e-4"), "epsilon_high": (numbers.Real, "a number", "4e-4"),
+                "clip_band": (str, "a string", "'adaptive'"), "clip_band_target": (numbers.Real, "a number", "0.15"),
+                "clip_band_min": (numbers.Real, "a number", "1e-5"), "clip_band_max": (numbers.Real, "a number", "0.2"),
                 "beta": (numbers.Real, "a number", "0.0"), "delta": (numbers.Real, "a number", "1.5"),
                 "steps_per_generation": (numbers.Integral, "an integer", "4"),
                 "staleness_weight_cap": (numbers.Real, "a number", "2.0"),
@@ -382,6 +410,7 @@ def validate_gspo_args(args: GRPOConfig) -> None:
         return
 
     check_clip_band(args)
+    check_adaptive_band(args)
     if args.beta is None or args.beta < 0:
         raise _error("beta", f"must be >= 0, got {args.beta}.", "use 0.0 (GSPO paper) or a small positive KL weight.")
     if isinstance(args, GSPOConfig) and args.importance_sampling_level == "token":
@@ -391,6 +420,26 @@ def validate_gspo_args(args: GRPOConfig) -> None:
             "contradicts it.",
             "remove the option (it resolves to 'sequence'), or use loss_type='grpo' for token-level ratios.",
         )
+
+
+CLIP_BANDS = ("fixed", "adaptive")
+
+
+def check_adaptive_band(args) -> None:
+    """`clip_band` and, when adaptive, its target and bounds: `0 < clip_band_min <= epsilon <= clip_band_max < 1`.
+    Shared by `GSPOConfig` and `AsyncGSPOConfig`."""
+    band = getattr(args, "clip_band", "fixed")
+    if band not in CLIP_BANDS:
+        raise _error("clip_band", f"unknown value {band!r}.", "use 'fixed' or 'adaptive'.")
+    if band == "fixed":
+        return
+    if not 0 < args.clip_band_target < 1:
+        raise _error("clip_band_target", f"must lie in (0, 1), got {args.clip_band_target}.",
+                     "use the default 0.15 (the paper's clipped share).")
+    if not 0 < args.clip_band_min <= args.epsilon <= args.clip_band_max < 1:
+        raise _error("clip_band_min", f"the adaptive band needs 0 < clip_band_min <= epsilon <= clip_band_max < 1, got "
+                     f"{args.clip_band_min} <= {args.epsilon} <= {args.clip_band_max}.",
+                     "keep epsilon inside [clip_band_min, clip_band_max] (defaults 1e-5 and 0.2).")
 
 
 def _check_sampler_can_route(args) -> None:

@@ -34,6 +34,7 @@ __all__ = [
     "applied_entropy_coef",
     "adaptive_entropy_coef",
     "entropy_window_stats",
+    "adaptive_clip_epsilon",
 ]
 
 
@@ -496,6 +497,26 @@ def entropy_window_stats(window: torch.Tensor | None, entropies: torch.Tensor, m
     adaptive controller takes the mean over all ranks' window at the optimizer step (`adaptive_entropy_coef`)."""
     stats = torch.stack([(entropies * mask).sum(), mask.sum()]).detach().float()
     return stats if window is None else window + stats
+
+
+def adaptive_clip_epsilon(epsilon: float, clipped_fraction: float, target: float, epsilon_min: float,
+                          epsilon_max: float, gain: float = 1.0, max_step: float = 2.0) -> float:
+    """Next lower clip range of the adaptive GSPO band (`clip_band="adaptive"`), after an optimizer step whose share
+    of clipped completion tokens over all ranks was ``clipped_fraction`` (Eq. 5's clip applied to ``s_i``, counted
+    per token as the paper's Figure 4 counts it):
+
+        ``epsilon' = clamp(epsilon * clamp(((c + m) / (target + m)) ** gain, 1 / max_step, max_step),
+                           epsilon_min, epsilon_max)``,  ``m = 0.01``
+
+    A multiplicative controller on the clipped share: more clipped than ``target`` widens the band, less narrows it,
+    by at most ``max_step`` per step, and the band never leaves ``[epsilon_min, epsilon_max]``. Its fixed point clips
+    ``target`` of the tokens whatever one step moves a sequence's log-ratio, so the band follows the run's own
+    movement, not its scale. The upper range keeps its ratio to the lower one (the caller scales it). ``m`` keeps a
+    step that clipped nothing from collapsing the band at once."""
+    margin = 0.01
+    factor = ((clipped_fraction + margin) / (target + margin)) ** gain
+    factor = min(max(factor, 1.0 / max_step), max_step)
+    return min(max(epsilon * factor, epsilon_min), epsilon_max)
 
 
 def k3_kl(logps: torch.Tensor, ref_logps: torch.Tensor) -> torch.Tensor:

@@ -8,7 +8,8 @@ from dataclasses import dataclass, field
 
 from trl.experimental.async_grpo import AsyncGRPOConfig
 
-from ..config import GSPO_LOSS_TYPES, _check_types, check_bf16_device, check_clip_band, fill_presets
+from ..config import (CLIP_BAND_FIELDS, GSPO_LOSS_TYPES, _check_types, check_adaptive_band, check_bf16_device,
+                      check_clip_band, fill_presets)
 
 # "grpo": TRL's asynchronous loss as it ships (token-level clipped ratio, mean over the micro-batch's tokens).
 ASYNC_LOSS_TYPES = (*GSPO_LOSS_TYPES, "grpo")
@@ -82,6 +83,11 @@ class AsyncGSPOConfig(AsyncGRPOConfig):
                           "every sync (docs/lora.md)."},
     )
 
+    clip_band: str = field(**CLIP_BAND_FIELDS["clip_band"])
+    clip_band_target: float = field(**CLIP_BAND_FIELDS["clip_band_target"])
+    clip_band_min: float = field(**CLIP_BAND_FIELDS["clip_band_min"])
+    clip_band_max: float = field(**CLIP_BAND_FIELDS["clip_band_max"])
+
     def __post_init__(self):
         if not isinstance(self.loss_type, str) or self.loss_type not in ASYNC_LOSS_TYPES:
             raise ValueError(f"`loss_type`: {self.loss_type!r} is not one AsyncGSPOTrainer runs. Fix: use one of "
@@ -102,6 +108,8 @@ class AsyncGSPOConfig(AsyncGRPOConfig):
             raise ValueError("`delta`: TRL's asynchronous 'grpo' loss has no two-sided clip. Fix: leave delta "
                              "unset, or use loss_type='gspo'.")
         check_clip_band(self)
+        if is_gspo:
+            check_adaptive_band(self)
         if self.staleness_correction != "none" and not is_gspo:
             raise ValueError("`staleness_correction`: TRL's asynchronous 'grpo' loss has no decoupled form here. Fix: "
                              "leave staleness_correction='none', or use loss_type='gspo'.")

@@ -47,6 +47,7 @@ from ..config import GSPO_LOSS_TYPES, default_output_dir
 from ..lora_merge import exact_sync_stream, merge_calls_skipped
 from ..losses import gspo_packed_loss, nonfinite_counts, unpack_segments
 from ..routing.replay import RoutingReplay
+from ..trainer.clip_band import AdaptiveClipBand
 from ..trainer.lora import exact_sync_model
 from .config import AsyncGSPOConfig
 from .routing import RoutedRolloutLoop, packed_routes
@@ -146,11 +147,23 @@ class AsyncGSPOTrainer(AsyncGRPOTrainer):
         self._step_completions = None  # the optimizer step's completions over every rank (`get_batch_samples`)
         super().__init__(model, reward_funcs, args, *pargs, **kwargs)
         self._exact_lora = exact_sync_model(self)  # LoRA synced as W + delta out of place (trainer/lora.py), or None
+        self._adaptive_band = (AdaptiveClipBand.build(args, self.epsilon_low, self.epsilon_high)
+                               if self.loss_type in GSPO_LOSS_TYPES else None)  # clip_band="adaptive", or None
         self._routing = None
         if args.routing_replay == "sampler":
             self._routing = RoutingReplay(self.accelerator.unwrap_model(self.model))  # refuses a dense model
             if isinstance(self.rollout_worker, AsyncRolloutWorker):  # TRL's own worker: its loop keeps the routes
                 self.rollout_worker._loop_cls = RoutedRolloutLoop
+
+    def _save_rng_state(self, output_dir):
+        super()._save_rng_state(output_dir)
+        if self._adaptive_band is not None and self.args.should_save:  # the same band on every rank
+            self._adaptive_band.save(output_dir)
+
+    def _load_rng_state(self, checkpoint):
+        super()._load_rng_state(checkpoint)
+        if self._adaptive_band is not None and checkpoint is not None and self._adaptive_band.load(checkpoint):
+            self.epsilon_low, self.epsilon_high = self._adaptive_band.band
 
     def get_train_dataloader(self) -> DataLoader:
         """TRL's pipeline (queue reader -> planner -> packer) with a reader and a packer that keep each sample's weight
@@ -275,8 +288,15 @@ class AsyncGSPOTrainer(AsyncGRPOTrainer):
             loss = loss + self.router_aux_loss_coef * aux_loss / self.current_gradient_accumulation_steps
 
         entropy_rows, mask = unpack_segments(segment_id, entropies.detach(), num_segments=ages.numel())
-        self._log_gspo_metrics(out, mask, entropy_rows, policy_loss, ages,
-                               aux_loss.detach() if self.aux_loss_enabled else None, nonfinite)
+        read = self._log_gspo_metrics(out, mask, entropy_rows, policy_loss, ages,
+                                      aux_loss.detach() if self.aux_loss_enabled else None, nonfinite)
+        if self._adaptive_band is not None:  # clip_band="adaptive": the next step's band (trl_gspo/trainer/clip_band.py)
+            self._adaptive_band.observe(read.values["gspo/clipped_token_fraction"], read.tokens,
+                                        read.values["gspo/log_ratio_abs_max"])
+            if self.accelerator.sync_gradients:
+                self.epsilon_low, self.epsilon_high = self._adaptive_band.step()
+                for name, value in self._adaptive_band.metrics().items():
+                    self._metrics["train"][name].append(value)
         self._count_step_tokens(inputs)
         return loss
 
@@ -338,6 +358,7 @@ class AsyncGSPOTrainer(AsyncGRPOTrainer):
                     (clipped_by_age[k], count_by_age[k]))
         if weighted:
             self._log_weight_stats(read.row_stats, buckets)
+        return read
 
     @staticmethod
     def _weight_stats(rows, present, buckets):

@@ -31,6 +31,7 @@ from ..sampling.mismatch import SamplerWatch, log_turns, sampling_metrics
 from ..sampling.old_logps import SamplerOldLogps
 from ..sampling.routes import capture_routes
 from ..sampling.server import server_failures
+from .clip_band import AdaptiveClipBand
 from .lora import TrainerLora
 from .model_checks import check_model
 from .routing import TrainerRouting, _first_adapter_layer, _reference_pass
@@ -86,6 +87,8 @@ class GSPOTrainer(CheckpointMixin, ToolTurnsMixin, GRPOTrainer):
         self._routing = TrainerRouting.build(base, self.args, runs_old_policy_pass(self.args))
         self._replay_stack, self._replay_opened = None, False  # open while a micro-batch runs forward and backward
         self._lora = TrainerLora.build(self)  # LoRA folded for rollouts and weight syncs, base untouched; or None
+        self._adaptive_band = (AdaptiveClipBand.build(self.args, self.epsilon_low, self.epsilon_high)
+                               if self.loss_type in GSPO_LOSS_TYPES else None)  # clip_band="adaptive", or None
         if self.accelerator.is_main_process:  # the resolved sizes; a warning when paper presets changed TRL's
             log = logger.warning if getattr(self.args, "paper_presets", None) else logger.info
             log(setup_summary(self.args, self.accelerator.num_processes))
@@ -274,9 +277,16 @@ class GSPOTrainer(CheckpointMixin, ToolTurnsMixin, GRPOTrainer):
         if self.aux_loss_enabled:
             loss = loss + self.router_aux_loss_coef * aux_loss / accumulation
 
-        self._log_gspo_metrics(mode, out, mask, entropies.detach(), policy_loss.detach(),
-                               per_token_kl.detach() if self.beta != 0.0 else None,
-                               aux_loss.detach() if self.aux_loss_enabled else None, nonfinite)
+        read = self._log_gspo_metrics(mode, out, mask, entropies.detach(), policy_loss.detach(),
+                                      per_token_kl.detach() if self.beta != 0.0 else None,
+                                      aux_loss.detach() if self.aux_loss_enabled else None, nonfinite)
+        if self._adaptive_band is not None and mode == "train":  # clip_band="adaptive": the next step's band
+            self._adaptive_band.observe(read.values["gspo/clipped_token_fraction"], read.tokens,
+                                        read.values["gspo/log_ratio_abs_max"])
+            if self.accelerator.sync_gradients:
+                self.epsilon_low, self.epsilon_high = self._adaptive_band.step()
+                for name, value in self._adaptive_band.metrics().items():
+                    self._metrics[mode][name].append(value)
         return loss
 
     def _update_entropy_controller(self, entropies, mask):
@@ -300,4 +310,5 @@ class GSPOTrainer(CheckpointMixin, ToolTurnsMixin, GRPOTrainer):
                                          with_delta=self.args.delta is not None)
         for name, value in read.values.items():
             self._metrics[mode][name].append(value)
+        return read
 
