@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import numbers
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from fractions import Fraction
 
@@ -225,10 +226,11 @@ class GSPOConfig(GRPOConfig):
     )
 
     def __post_init__(self):
-        _check_types(self)
+        _check_types(self)  # before TRL's __post_init__, which computes with these sizes (0: ZeroDivisionError there)
         is_gspo = self.loss_type in GSPO_LOSS_TYPES
         mini_batches = (PAPER_MINI_BATCHES_PER_ROLLOUT * self.gradient_accumulation_steps
                         if is_gspo and self.generation_batch_size is None else None)
+        # Before TRL's __post_init__: it derives generation_batch_size from steps_per_generation, filled here.
         filled = fill_presets(self, {
             "epsilon": PAPER_EPSILON_LOW if is_gspo else 0.2, "epsilon_high": PAPER_EPSILON_HIGH if is_gspo else None,
             "beta": PAPER_BETA, "importance_sampling_level": "sequence" if is_gspo else "token",
@@ -236,9 +238,9 @@ class GSPOConfig(GRPOConfig):
         # The paper's values this config filled in (not a dataclass field: not in `to_dict()`); GSPOTrainer names them
         # at startup beside the sizes they resolve to (`setup_summary`).
         self.paper_presets = filled if is_gspo else {}
+        with precision_errors_as_ours(self):
+            super().__post_init__()
         validate_gspo_args(self)
-        check_bf16_device(self)
-        super().__post_init__()
 
 
 # Fields that `validate_gspo_args` compares, and their types: a wrong type fails here naming the field, not later
@@ -277,26 +279,32 @@ class BF16DeviceError(ValueError):
     """`bf16` (or `bf16_full_eval`) asks for bfloat16 mixed precision on a machine without a device for it."""
 
 
-def check_bf16_device(args) -> None:
-    """Refuse bf16 where transformers' `TrainingArguments` would, before it does, with one line that names `bf16`,
-    `use_cpu` and the fix (transformers says "Your setup doesn't support bf16/gpu"). TRL's configs default an unset
-    `bf16` to True (False with `fp16`), so a config that sets neither `bf16` nor `use_cpu` fails on a CPU-only machine.
-    Same condition and the same probes as transformers (looked up at call time). Shared by `GSPOConfig` and
+@contextmanager
+def precision_errors_as_ours(args):
+    """Run the parent's `__post_init__` (TRL's, then transformers', and whatever a user hooked there) and turn the
+    precision errors transformers raises into one line naming the option and the fix, chained to the original
+    (`raise ... from`): so the config refuses exactly what its TRL parent refuses, in every environment. transformers
+    says "Your setup doesn't support bf16/gpu" where `bf16` (TRL's default when unset and `fp16` is not set) or
+    `bf16_full_eval` meets a machine without a bfloat16 device and `use_cpu` is not set. Shared by `GSPOConfig` and
     `AsyncGSPOConfig`."""
-    from transformers import training_args as hf_args
-
-    bf16 = (not args.fp16) if args.bf16 is None else args.bf16
-    if not (bf16 or args.bf16_full_eval) or args.use_cpu:
-        return
-    if hf_args.is_torch_bf16_gpu_available() or hf_args.is_torch_xla_available():
-        return
-    option = "bf16" if bf16 else "bf16_full_eval"
-    given = ("bf16 is unset, and TRL's configs then default it to True, which" if option == "bf16" and args.bf16 is None
-             else f"{option}=True")
-    raise BF16DeviceError(f"`{option}`: {given} needs a GPU with bfloat16 support, and none is visible here (use_cpu="
-                          f"False). Fix: on a CPU pass use_cpu=True and {option}=False (command line: `--use_cpu true "
-                          f"--{option} false`); on a GPU machine check that torch sees the GPU (one without bfloat16: "
-                          "fp16=True).")
+    bf16_given = args.bf16  # None (unset) until TRL's __post_init__ resolves it
+    try:
+        yield
+    except ValueError as err:
+        if "bf16/gpu" in str(err):
+            option = "bf16" if args.bf16 else "bf16_full_eval"
+            given = ("bf16 is unset, and TRL's configs then default it to True, which"
+                     if option == "bf16" and bf16_given is None else f"{option}=True")
+            raise BF16DeviceError(
+                f"`{option}`: {given} needs a GPU with bfloat16 support, and none is visible here (use_cpu=False). "
+                f"Fix: on a CPU pass use_cpu=True and {option}=False (command line: `--use_cpu true --{option} "
+                "false`); on a GPU machine check that torch sees the GPU (one without bfloat16: fp16=True).") from err
+        if "At most one of fp16 and bf16" in str(err):
+            full_eval = "for full eval" in str(err)
+            fp16, bf16 = ("fp16_full_eval", "bf16_full_eval") if full_eval else ("fp16", "bf16")
+            raise _error(bf16, f"{bf16}=True and {fp16}=True ask for two mixed precisions at once.",
+                         "set one of them to False.") from err
+        raise
 
 
 def _error(option: str, problem: str, fix: str) -> ValueError:

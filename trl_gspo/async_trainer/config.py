@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 
 from trl.experimental.async_grpo import AsyncGRPOConfig
 
-from ..config import GSPO_LOSS_TYPES, _check_types, check_bf16_device, check_clip_band, fill_presets
+from ..config import GSPO_LOSS_TYPES, _check_types, check_clip_band, fill_presets, precision_errors_as_ours
 
 # "grpo": TRL's asynchronous loss as it ships (token-level clipped ratio, mean over the micro-batch's tokens).
 ASYNC_LOSS_TYPES = (*GSPO_LOSS_TYPES, "grpo")
@@ -83,7 +83,14 @@ class AsyncGSPOConfig(AsyncGRPOConfig):
     )
 
     def __post_init__(self):
-        if not isinstance(self.loss_type, str) or self.loss_type not in ASYNC_LOSS_TYPES:
+        _check_types(self)  # wrong types: TypeError naming the field, as GSPOConfig (before TRL computes with them)
+        is_gspo = self.loss_type in GSPO_LOSS_TYPES
+        filled = fill_presets(self, {"epsilon": ASYNC_EPSILON_LOW if is_gspo else 0.2,
+                                     "epsilon_high": ASYNC_EPSILON_HIGH if is_gspo else None})
+        self.presets = filled if is_gspo else {}
+        with precision_errors_as_ours(self):
+            super().__post_init__()
+        if self.loss_type not in ASYNC_LOSS_TYPES:
             raise ValueError(f"`loss_type`: {self.loss_type!r} is not one AsyncGSPOTrainer runs. Fix: use one of "
                              f"{', '.join(repr(t) for t in ASYNC_LOSS_TYPES)} (TRL's asynchronous trainer implements "
                              "no other loss type).")
@@ -93,11 +100,6 @@ class AsyncGSPOConfig(AsyncGRPOConfig):
         if self.staleness_correction not in STALENESS_CORRECTIONS:
             raise ValueError(f"`staleness_correction`: {self.staleness_correction!r} is not one AsyncGSPOTrainer runs. "
                              f"Fix: one of {', '.join(repr(c) for c in STALENESS_CORRECTIONS)}.")
-        _check_types(self)  # wrong types: TypeError naming the field, as GSPOConfig
-        is_gspo = self.loss_type in GSPO_LOSS_TYPES
-        filled = fill_presets(self, {"epsilon": ASYNC_EPSILON_LOW if is_gspo else 0.2,
-                                     "epsilon_high": ASYNC_EPSILON_HIGH if is_gspo else None})
-        self.presets = filled if is_gspo else {}
         if self.delta is not None and not is_gspo:
             raise ValueError("`delta`: TRL's asynchronous 'grpo' loss has no two-sided clip. Fix: leave delta "
                              "unset, or use loss_type='gspo'.")
@@ -111,5 +113,3 @@ class AsyncGSPOConfig(AsyncGRPOConfig):
         if self.max_staleness < 0:
             raise ValueError(f"`max_staleness` ({self.max_staleness}) must be >= 0. Fix: 0 trains on-policy samples "
                              "only; TRL's default is 4.")
-        check_bf16_device(self)  # before transformers' own check, with a message naming use_cpu and the fix
-        super().__post_init__()
