@@ -66,6 +66,21 @@ def check_run_output(output: str, cold_start: bool = True) -> str:
     return summary
 
 
+def assert_no_line_per_step(stderr: str, steps: int) -> None:
+    """No line of a run's `stderr` (progress-bar redraws aside) is printed once per optimizer step: each appears
+    fewer than `steps` times, where a line printed once per process (2 processes) appears twice."""
+    import collections
+    import re
+
+    # a progress bar's redraw ("Loading weights:  50%|#####     | 1/2 [00:01<00:01, ...]"); a warning may follow it
+    bars = re.compile(r"(?:[\w ./-]+:)?\s*\d+%\|[^|]*\|[^\]]*\]")
+    lines = (bars.sub("", line).strip() for line in re.split(r"[\r\n]", stderr))
+    counts = collections.Counter(line for line in lines if line)
+    repeated = {line: n for line, n in counts.items() if n >= steps}
+    assert not repeated, f"printed at least once per step ({steps} steps):\n" + "\n".join(
+        f"{n} x {line[:200]}" for line, n in repeated.items())
+
+
 def skip_without_math_verify(reward_funcs) -> None:
     """TRL's `accuracy_reward` needs math-verify (the `math` extra, in the `test` extra too); a hand-made
     environment without it skips the tests that resolve it, saying so."""
