@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import numbers
+import re
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from fractions import Fraction
@@ -11,7 +13,7 @@ from fractions import Fraction
 from transformers.utils import logging
 from trl import GRPOConfig
 
-from .sampling.old_logps import check_old_logps_option
+from .sampling.old_logps import OLD_LOGPS_SOURCES, check_old_logps_option
 
 logger = logging.get_logger(__name__)  # transformers' logger: adds `warning_once`
 
@@ -238,7 +240,7 @@ class GSPOConfig(GRPOConfig):
         # The paper's values this config filled in (not a dataclass field: not in `to_dict()`); GSPOTrainer names them
         # at startup beside the sizes they resolve to (`setup_summary`).
         self.paper_presets = filled if is_gspo else {}
-        with precision_errors_as_ours(self):
+        with parent_errors_as_ours(self):
             super().__post_init__()
         validate_gspo_args(self)
 
@@ -280,10 +282,11 @@ class BF16DeviceError(ValueError):
 
 
 @contextmanager
-def precision_errors_as_ours(args):
+def parent_errors_as_ours(args):
     """Run the parent's `__post_init__` (TRL's, then transformers', and whatever a user hooked there) and turn the
-    precision errors transformers raises into one line naming the option and the fix, chained to the original
-    (`raise ... from`): so the config refuses exactly what its TRL parent refuses, in every environment. transformers
+    precision errors and unknown enumerated values transformers refuses into one line naming the option and the fix
+    (with the nearest valid value), chained to the original (`raise ... from`): so the config refuses exactly what
+    its TRL parent refuses, in every environment. transformers
     says "Your setup doesn't support bf16/gpu" where `bf16` (TRL's default when unset and `fp16` is not set) or
     `bf16_full_eval` meets a machine without a bfloat16 device and `use_cpu` is not set. Shared by `GSPOConfig` and
     `AsyncGSPOConfig`."""
@@ -304,7 +307,24 @@ def precision_errors_as_ours(args):
             fp16, bf16 = ("fp16_full_eval", "bf16_full_eval") if full_eval else ("fp16", "bf16")
             raise _error(bf16, f"{bf16}=True and {fp16}=True ask for two mixed precisions at once.",
                          "set one of them to False.") from err
+        # transformers' enumerated fields (lr_scheduler_type, save_strategy, optim, ...): name the field and the
+        # nearest valid value
+        enum = re.fullmatch(r"(.*) is not a valid \w+, please select one of \[(.*)\]", str(err))
+        names = [f.name for f in dataclasses.fields(args) if enum and getattr(args, f.name) == enum.group(1)]
+        if names:
+            choices = [choice.strip(" '") for choice in enum.group(2).split(",")]
+            raise _error(names[0], f"unknown value {enum.group(1)!r}{did_you_mean(enum.group(1), choices)}.",
+                         f"use one of {', '.join(map(repr, choices))}.") from err
         raise
+
+
+def did_you_mean(value, choices) -> str:
+    """`" (did you mean 'gspo'?)"`: the choice closest in spelling to an unknown `value` (`difflib`), or `""` when none
+    is close. For every enumerated option's refusal, as unknown recipe keys get the nearest names."""
+    import difflib
+
+    close = difflib.get_close_matches(str(value), [str(choice) for choice in choices], n=1, cutoff=0.6)
+    return f" (did you mean {close[0]!r}?)" if close else ""
 
 
 def _error(option: str, problem: str, fix: str) -> ValueError:
@@ -357,16 +377,19 @@ def validate_gspo_args(args: GRPOConfig) -> None:
     """
     known = GSPO_LOSS_TYPES + TRL_LOSS_TYPES
     if args.loss_type not in known:
-        raise _error("loss_type", f"unknown value {args.loss_type!r}.", f"use one of {', '.join(map(repr, known))}.")
+        raise _error("loss_type", f"unknown value {args.loss_type!r}{did_you_mean(args.loss_type, known)}.",
+                     f"use one of {', '.join(map(repr, known))}.")
     if args.importance_sampling_level not in ("token", "sequence"):
         raise _error(
             "importance_sampling_level",
-            f"unknown value {args.importance_sampling_level!r}.",
+            f"unknown value {args.importance_sampling_level!r}"
+            f"{did_you_mean(args.importance_sampling_level, ('token', 'sequence'))}.",
             "use 'token' or 'sequence'.",
         )
     routing_replay = getattr(args, "routing_replay", "none")
     if routing_replay not in ("none", "old", "sampler"):
-        raise _error("routing_replay", f"unknown value {routing_replay!r}.", "use 'none', 'old' or 'sampler'.")
+        raise _error("routing_replay", f"unknown value {routing_replay!r}"
+                     f"{did_you_mean(routing_replay, ('none', 'old', 'sampler'))}.", "use 'none', 'old' or 'sampler'.")
     if routing_replay == "sampler":
         _check_sampler_can_route(args)
     min_agreement = getattr(args, "routing_replay_min_agreement", DEFAULT_MIN_ROUTE_AGREEMENT)
@@ -378,10 +401,11 @@ def validate_gspo_args(args: GRPOConfig) -> None:
         raise _error("vllm_server_stall_timeout", f"must be a finite number of seconds >= 0, got {stall_timeout}.",
                      f"use the default {DEFAULT_SERVER_STALL_TIMEOUT:.0f}, more for a server that may pause longer, "
                      "or 0 to turn the watch off.")
-    check_old_logps_option(args)
+    check_old_logps_option(args, did_you_mean(getattr(args, "old_logps", "trainer"), OLD_LOGPS_SOURCES))
     vllm_dtype = getattr(args, "vllm_dtype", "auto")
     if vllm_dtype not in VLLM_DTYPES:
-        raise _error("vllm_dtype", f"unknown value {vllm_dtype!r}.", f"use one of {', '.join(map(repr, VLLM_DTYPES))}.")
+        raise _error("vllm_dtype", f"unknown value {vllm_dtype!r}{did_you_mean(vllm_dtype, VLLM_DTYPES)}.",
+                     f"use one of {', '.join(map(repr, VLLM_DTYPES))}.")
     if vllm_dtype != "auto" and args.use_vllm and args.vllm_mode != "colocate":
         raise _error("vllm_dtype", f"{vllm_dtype!r} sets the dtype of TRL's colocate engine; in vllm_mode="
                      f"{args.vllm_mode!r} the server builds its own.",

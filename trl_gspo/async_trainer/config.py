@@ -8,7 +8,8 @@ from dataclasses import dataclass, field
 
 from trl.experimental.async_grpo import AsyncGRPOConfig
 
-from ..config import GSPO_LOSS_TYPES, _check_types, check_clip_band, fill_presets, precision_errors_as_ours
+from ..config import (GSPO_LOSS_TYPES, _check_types, check_clip_band, did_you_mean, fill_presets,
+                      parent_errors_as_ours)
 
 # "grpo": TRL's asynchronous loss as it ships (token-level clipped ratio, mean over the micro-batch's tokens).
 ASYNC_LOSS_TYPES = (*GSPO_LOSS_TYPES, "grpo")
@@ -88,18 +89,20 @@ class AsyncGSPOConfig(AsyncGRPOConfig):
         filled = fill_presets(self, {"epsilon": ASYNC_EPSILON_LOW if is_gspo else 0.2,
                                      "epsilon_high": ASYNC_EPSILON_HIGH if is_gspo else None})
         self.presets = filled if is_gspo else {}
-        with precision_errors_as_ours(self):
+        with parent_errors_as_ours(self):
             super().__post_init__()
         if self.loss_type not in ASYNC_LOSS_TYPES:
-            raise ValueError(f"`loss_type`: {self.loss_type!r} is not one AsyncGSPOTrainer runs. Fix: use one of "
+            raise ValueError(f"`loss_type`: {self.loss_type!r} is not one AsyncGSPOTrainer runs"
+                             f"{did_you_mean(self.loss_type, ASYNC_LOSS_TYPES)}. Fix: use one of "
                              f"{', '.join(repr(t) for t in ASYNC_LOSS_TYPES)} (TRL's asynchronous trainer implements "
                              "no other loss type).")
         if self.routing_replay not in ("none", "sampler"):
-            raise ValueError(f"`routing_replay`: {self.routing_replay!r} is not one AsyncGSPOTrainer runs. Fix: 'none' "
+            raise ValueError(f"`routing_replay`: {self.routing_replay!r} is not one AsyncGSPOTrainer runs"
+                             f"{did_you_mean(self.routing_replay, ('none', 'sampler'))}. Fix: 'none' "
                              "or 'sampler' (R3; the asynchronous trainer has no old-policy pass for 'old' to record).")
         if self.staleness_correction not in STALENESS_CORRECTIONS:
-            raise ValueError(f"`staleness_correction`: {self.staleness_correction!r} is not one AsyncGSPOTrainer runs. "
-                             f"Fix: one of {', '.join(repr(c) for c in STALENESS_CORRECTIONS)}.")
+            raise ValueError(f"`staleness_correction`: {self.staleness_correction!r} is not one AsyncGSPOTrainer runs"
+                             f"{did_you_mean(self.staleness_correction, STALENESS_CORRECTIONS)}. Fix: one of {', '.join(repr(c) for c in STALENESS_CORRECTIONS)}.")
         if self.delta is not None and not is_gspo:
             raise ValueError("`delta`: TRL's asynchronous 'grpo' loss has no two-sided clip. Fix: leave delta "
                              "unset, or use loss_type='gspo'.")
