@@ -16,7 +16,9 @@ os.environ.setdefault("WANDB_MODE", "disabled")
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+# At most two torch threads, and under pytest-xdist the cores shared among its workers (one thread each on 2 cores:
+# two workers of two threads each on 2 cores spin against each other)
+torch.set_num_threads(max(1, min(2, (os.cpu_count() or 1) // int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", 1)))))
 
 
 # The smallest recipe that runs offline: CLI tests format it with `out=` and append or replace keys.
