@@ -100,7 +100,8 @@ def test_an_unknown_key_names_the_nearest_valid_ones(tmp_path, capsys, where, ty
     ("routing_replay", "sampelr", "sampler"), ("old_logps", "trainr", "trainer"), ("vllm_dtype", "float23", "float32"),
     ("trainer", "asyn", "async"), ("lr_scheduler_type", "cosin", "cosine"),  # transformers' choices, via argparse
     ("model_name_or_path", "builtin:tiny-qwen3-mo", "builtin:tiny-qwen3-moe"),
-    ("dataset_name", "builtin:adition", "builtin:addition"), ("reward_funcs", "[digit_match_rewrd]", "digit_match_reward"),
+    ("dataset_name", "builtin:adition", "builtin:addition"),
+    ("reward_funcs", "[digit_match_rewrd]", "digit_match_reward"),
     ("environment_factory", "CalculatorEn", "CalculatorEnv"), ("tools", "[ad]", "add")])
 def test_an_unknown_value_names_the_nearest_valid_one(tmp_path, capsys, key, typo, meant):
     """Every enumerated key, in a recipe: a misspelt value is refused in one line with the valid value nearest to it,

@@ -286,10 +286,9 @@ def parent_errors_as_ours(args):
     """Run the parent's `__post_init__` (TRL's, then transformers', and whatever a user hooked there) and turn the
     precision errors and unknown enumerated values transformers refuses into one line naming the option and the fix
     (with the nearest valid value), chained to the original (`raise ... from`): so the config refuses exactly what
-    its TRL parent refuses, in every environment. transformers
-    says "Your setup doesn't support bf16/gpu" where `bf16` (TRL's default when unset and `fp16` is not set) or
-    `bf16_full_eval` meets a machine without a bfloat16 device and `use_cpu` is not set. Shared by `GSPOConfig` and
-    `AsyncGSPOConfig`."""
+    its TRL parent refuses, in every environment. transformers says "Your setup doesn't support bf16/gpu" where `bf16`
+    (TRL's default when unset and `fp16` is not set) or `bf16_full_eval` meets a machine without a bfloat16 device and
+    `use_cpu` is not set. Shared by `GSPOConfig` and `AsyncGSPOConfig`."""
     bf16_given = args.bf16  # None (unset) until TRL's __post_init__ resolves it
     try:
         yield

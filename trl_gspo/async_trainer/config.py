@@ -84,13 +84,14 @@ class AsyncGSPOConfig(AsyncGRPOConfig):
     )
 
     def __post_init__(self):
-        _check_types(self)  # wrong types: TypeError naming the field, as GSPOConfig (before TRL computes with them)
         is_gspo = self.loss_type in GSPO_LOSS_TYPES
+        # Before the parent's __post_init__, so that it (and any hook there) sees the band the run will use.
         filled = fill_presets(self, {"epsilon": ASYNC_EPSILON_LOW if is_gspo else 0.2,
                                      "epsilon_high": ASYNC_EPSILON_HIGH if is_gspo else None})
         self.presets = filled if is_gspo else {}
         with parent_errors_as_ours(self):
             super().__post_init__()
+        _check_types(self)  # wrong types: TypeError naming the field, as GSPOConfig
         if self.loss_type not in ASYNC_LOSS_TYPES:
             raise ValueError(f"`loss_type`: {self.loss_type!r} is not one AsyncGSPOTrainer runs"
                              f"{did_you_mean(self.loss_type, ASYNC_LOSS_TYPES)}. Fix: use one of "
@@ -102,7 +103,8 @@ class AsyncGSPOConfig(AsyncGRPOConfig):
                              "or 'sampler' (R3; the asynchronous trainer has no old-policy pass for 'old' to record).")
         if self.staleness_correction not in STALENESS_CORRECTIONS:
             raise ValueError(f"`staleness_correction`: {self.staleness_correction!r} is not one AsyncGSPOTrainer runs"
-                             f"{did_you_mean(self.staleness_correction, STALENESS_CORRECTIONS)}. Fix: one of {', '.join(repr(c) for c in STALENESS_CORRECTIONS)}.")
+                             f"{did_you_mean(self.staleness_correction, STALENESS_CORRECTIONS)}. Fix: one of "
+                             f"{', '.join(repr(c) for c in STALENESS_CORRECTIONS)}.")
         if self.delta is not None and not is_gspo:
             raise ValueError("`delta`: TRL's asynchronous 'grpo' loss has no two-sided clip. Fix: leave delta "
                              "unset, or use loss_type='gspo'.")
