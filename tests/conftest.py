@@ -28,7 +28,19 @@ def fake_accelerator(monkeypatch):
     return fake
 
 
-SLOW_LEFT_OUT: list[str] = []  # the default run's note at its end
+LEFT_OUT: dict[str, int] = {}  # marker -> tests the selection below left out: the note at a run's end
+LEFT_OUT_HOW = {"slow": "end-to-end and multi-process runs: `-m slow`", "gpu": "`-m gpu`, on a GPU",
+                "vllm": "`-m vllm`, with vLLM installed"}
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_auto_num_workers(config):
+    """pyproject.toml's `-n auto` runs the default (fast) suite on one pytest-xdist worker per core. A run whose `-m`
+    names `slow` or `gpu` stays in one process unless the command line gives `-n`: a slow test keeps both cores of
+    a 2-core machine busy by itself (two ranks), and the GPU tests share one device."""
+    if any(marker in (config.option.markexpr or "") for marker in ("slow", "gpu")):
+        return 0
+    return None  # pytest-xdist's own count
 
 
 @pytest.hookimpl(tryfirst=True)  # before pytest-xdist's own hook reads the `xdist_group` marks added here
@@ -42,9 +54,9 @@ def pytest_collection_modifyitems(config, items):
     for marker in ("gpu", "vllm"):
         if marker in named:
             continue
-        _leave_out(config, items, marker)
+        LEFT_OUT[marker] = len(_leave_out(config, items, marker))
     if not any(marker in named for marker in ("slow", "gpu", "vllm")):
-        SLOW_LEFT_OUT.extend(item.nodeid for item in _leave_out(config, items, "slow"))
+        LEFT_OUT["slow"] = len(_leave_out(config, items, "slow"))
     group_module_fixture_users(items)
 
 
@@ -82,11 +94,20 @@ def pytest_runtest_logreport(report):
         GPU_FIGURES.extend(tuple(value) for name, value in report.user_properties if name == "gpu_figure")
 
 
+def pytest_sessionfinish(session):
+    if hasattr(session.config, "workeroutput"):  # a pytest-xdist worker: its counts go to the controlling process
+        session.config.workeroutput["trl_gspo_left_out"] = dict(LEFT_OUT)
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_testnodedown(node, error):
+    LEFT_OUT.update(getattr(node, "workeroutput", {}).get("trl_gspo_left_out", {}))  # each worker collects all
+
+
 def pytest_terminal_summary(terminalreporter, exitstatus, config):
-    if SLOW_LEFT_OUT:
-        terminalreporter.write_line(
-            f"trl-gspo: {len(SLOW_LEFT_OUT)} slow tests (end-to-end and multi-process runs) were left out: add "
-            "`-m slow` to run them (CI runs both)")
+    left_out = [f"{count} {marker} ({LEFT_OUT_HOW[marker]})" for marker, count in sorted(LEFT_OUT.items()) if count]
+    if left_out:
+        terminalreporter.write_line(f"trl-gspo: tests left out by marker: {', '.join(left_out)}; CI runs them all")
     if not GPU_FIGURES:
         return
     cuda = GPU_TESTS_DEVICE == "cuda" and torch.cuda.is_available()

@@ -90,6 +90,40 @@ def test_an_unknown_key_names_the_nearest_valid_ones(tmp_path, capsys, where, ty
     err = capsys.readouterr().err
     assert f"unknown key `{typo}` in the {where} (did you mean `{meant}`?" in err, err
     assert f"Fix: rename it to `{meant}`" in err and err.count("\n") == 1
+    if where == "recipe":  # the recipe's file and the key's line
+        line = Path(path).read_text().splitlines().index(extra.strip()) + 1
+        assert err.startswith(f"trl-gspo: error: {path}:{line}: unknown key"), err
+
+
+@pytest.mark.parametrize("key,typo,meant", [
+    ("loss_type", "gpso", "gspo"), ("importance_sampling_level", "sequense", "sequence"),
+    ("routing_replay", "sampelr", "sampler"), ("old_logps", "trainr", "trainer"), ("vllm_dtype", "float23", "float32"),
+    ("trainer", "asyn", "async"), ("lr_scheduler_type", "cosin", "cosine"),  # transformers' choices, via argparse
+    ("model_name_or_path", "builtin:tiny-qwen3-mo", "builtin:tiny-qwen3-moe"),
+    ("dataset_name", "builtin:adition", "builtin:addition"),
+    ("reward_funcs", "[digit_match_rewrd]", "digit_match_reward"),
+    ("environment_factory", "CalculatorEn", "CalculatorEnv"), ("tools", "[ad]", "add")])
+def test_an_unknown_value_names_the_nearest_valid_one(tmp_path, capsys, key, typo, meant):
+    """Every enumerated key, in a recipe: a misspelt value is refused in one line with the valid value nearest to it,
+    as a misspelt key is."""
+    keys = dict(line.split(": ", 1) for line in BASE.format(out=tmp_path / "o").strip().splitlines())
+    if key in ("tools", "environment_factory"):  # the tool task
+        keys.update(model_name_or_path="builtin:tiny-qwen3-moe-tools", dataset_name="builtin:tool_addition",
+                    reward_funcs="[tool_answer_reward]")
+    path = _recipe(tmp_path, "".join(f"{name}: {value}\n" for name, value in {**keys, key: typo}.items()))
+    assert main(["--config", path, "--dry_run", "true"]) == 2
+    err = capsys.readouterr().err
+    assert f"(did you mean {meant!r}?)" in err and err.count("\n") == 1, err
+
+
+@pytest.mark.parametrize("options,meant", [(dict(loss_type="gspo_tokn"), "gspo_token"),
+                                           (dict(routing_replay="sampelr"), "sampler"),
+                                           (dict(staleness_correction="trunc"), "truncate")])
+def test_the_asynchronous_config_names_the_nearest_valid_value(tmp_path, options, meant):
+    from trl_gspo import AsyncGSPOConfig
+
+    with pytest.raises(ValueError, match=rf"\(did you mean {meant!r}\?\)\. Fix:"):
+        AsyncGSPOConfig(output_dir=str(tmp_path), use_cpu=True, **options)
 
 
 def test_a_key_prefix_is_no_abbreviation_and_a_far_key_gets_no_guess(tmp_path, capsys):

@@ -122,3 +122,66 @@ def test_bf16_without_a_gpu_is_one_line_naming_use_cpu(config, options, option, 
     assert not cls(output_dir="unused", **{**options, option: False}).bf16_full_eval
     fake_accelerator(True)
     assert cls(output_dir="unused", **options).bf16 == (option == "bf16")
+
+
+def _parents():
+    from trl.experimental.async_grpo import AsyncGRPOConfig
+
+    from trl_gspo import AsyncGSPOConfig
+
+    return {"GSPOConfig": (GSPOConfig, GRPOConfig), "AsyncGSPOConfig": (AsyncGSPOConfig, AsyncGRPOConfig)}
+
+
+def _use_cpu_as_trl_tests_do(monkeypatch):
+    """TRL's own tests/conftest.py, autouse fixture `force_use_cpu_without_accelerator`: on a machine without an
+    accelerator, every TRL config gets `use_cpu = True` just before `_BaseConfig.__post_init__` runs."""
+    from trl.trainer.base_config import _BaseConfig
+
+    original = _BaseConfig.__post_init__
+
+    def post_init(self):
+        self.use_cpu = True
+        original(self)
+
+    monkeypatch.setattr(_BaseConfig, "__post_init__", post_init)
+
+
+@pytest.mark.parametrize("config", ["GSPOConfig", "AsyncGSPOConfig"])
+def test_trl_test_suite_pattern_builds_both_configs(config, monkeypatch, fake_accelerator):
+    """Code written for TRL's configs, under the hook TRL's test suite puts on `_BaseConfig.__post_init__`: our
+    configs build wherever their parents do (bf16 left unset, TRL's default True, on a machine without a GPU)."""
+    ours, parent = _parents()[config]
+    fake_accelerator(False)
+    _use_cpu_as_trl_tests_do(monkeypatch)
+    expected = parent(output_dir="unused", report_to="none")
+    built = ours(output_dir="unused", report_to="none")
+    assert (built.bf16, built.use_cpu) == (expected.bf16, expected.use_cpu) == (True, True)
+
+
+@pytest.mark.parametrize("config", ["GSPOConfig", "AsyncGSPOConfig"])
+@pytest.mark.parametrize("hooked", [False, True], ids=["plain", "trl-tests-hook"])
+@pytest.mark.parametrize("accelerator", [False, True], ids=["no-gpu", "gpu"])
+def test_precision_options_refused_exactly_where_the_parent_refuses(config, hooked, accelerator, monkeypatch,
+                                                                    fake_accelerator):
+    """Every combination of bf16, fp16 and use_cpu (each unset, True or False): our config raises where its TRL
+    parent raises and builds where it builds; its error is one line of ours naming the option and the fix, with the
+    parent's error chained (`__cause__`)."""
+    import itertools
+
+    ours, parent = _parents()[config]
+    fake_accelerator(accelerator)
+    if hooked:
+        _use_cpu_as_trl_tests_do(monkeypatch)
+    for values in itertools.product((None, True, False), repeat=3):
+        options = {name: value for name, value in zip(("bf16", "fp16", "use_cpu"), values) if value is not None}
+        try:
+            expected = parent(output_dir="unused", report_to="none", **options)
+        except ValueError as err:
+            with pytest.raises(ValueError) as raised:
+                ours(output_dir="unused", report_to="none", **options)
+            message = str(raised.value)
+            assert message.startswith("`") and "Fix:" in message and "\n" not in message, (options, message)
+            assert str(raised.value.__cause__) == str(err), options
+            continue
+        built = ours(output_dir="unused", report_to="none", **options)
+        assert (built.bf16, built.fp16, built.use_cpu) == (expected.bf16, expected.fp16, expected.use_cpu), options

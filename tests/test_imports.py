@@ -120,6 +120,15 @@ def test_importing_the_package_the_command_or_reading_a_recipe_loads_no_training
         assert not set(loaded) & TRAINING_CODE, (code, loaded)
 
 
+def test_our_modules_do_not_pass_on_trls_experimental_warning():
+    """TRL warns at the first import of `trl.experimental` that its APIs may change; trl-gspo pins TRL and tests what
+    it uses, so importing the asynchronous trainer's modules (which build on `trl.experimental`) does not warn."""
+    modules = ", ".join(name for name in MODULES if name.startswith("trl_gspo.async_trainer"))
+    result = subprocess.run([sys.executable, "-W", "error::trl.import_utils.TRLExperimentalWarning", "-c",
+                             f"import {modules}"], capture_output=True, text=True, env=cpu_env(), cwd=ROOT)
+    assert result.returncode == 0 and "TRLExperimentalWarning" not in result.stderr, result.stderr[-2000:]
+
+
 def test_the_package_layout_is_the_one_docs_architecture_shows():
     """At most `TOP_LEVEL_MODULES_AT_MOST` modules beside the packages, and docs/architecture.md names every module
     file of the package under its folder, so the page is the tree as built."""

@@ -6,7 +6,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from support.helpers import check_run_output, cpu_env
+from support.helpers import assert_no_line_per_step, check_run_output, cpu_env, free_port
 
 from trl_gspo.quickstart.addition import digit_match_reward, exact_match_reward, make_rl_dataset, make_sft_dataset
 
@@ -62,3 +62,22 @@ def test_quickstart_recipe_learns(tmp_path):
     assert any(h.get("clip_ratio/region_mean", 0) > 0 for h in state["log_history"])  # really off-policy
     png = (out / "training_curves.png").read_bytes()
     assert png[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.mark.slow
+def test_quickstart_on_two_ddp_processes_prints_nothing_per_step_or_process(tmp_path):
+    """The README's DDP command, shortened (20 cold-start steps, 8 RL steps): it trains, and stderr holds neither a
+    line per step nor DDP's "find_unused_parameters=True ... did not find any unused parameters" (the cold start and
+    the recipe turn the search off: every weight of the tiny model is used in every forward)."""
+    steps = 8
+    result = subprocess.run(
+        [sys.executable, "-m", "trl_gspo.launch.cli", "--config", str(ROOT / "recipes" / "quickstart.yaml"),
+         "--accelerate_config", str(ROOT / "recipes" / "accelerate" / "cpu_ddp.yaml"),
+         "--output_dir", str(tmp_path / "ddp"), "--main_process_port", str(free_port()), "--sft_steps", "20",
+         "--max_steps", str(steps), "--logging_steps", "4", "--plot", "false"],
+        capture_output=True, text=True, env=cpu_env(OMP_NUM_THREADS="1"), timeout=600,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "find_unused_parameters" not in result.stderr, result.stderr[-3000:]
+    assert_no_line_per_step(result.stderr, steps)
+    assert json.loads((tmp_path / "ddp" / "trainer_state.json").read_text())["global_step"] == steps

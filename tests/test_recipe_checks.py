@@ -114,7 +114,9 @@ def test_an_unreachable_hub_fails_the_readme_dry_run_in_seconds(tmp_path):
                           "cached dataset, and the Hub cannot be reached from here (127.0.0.1:"), err
     assert "Connection refused" in err and "Fix: check the network" in err
     assert "Retrying" not in result.stderr and "Retrying" not in result.stdout
-    assert elapsed < 15, elapsed  # measured 7-9 s on 2 busy cores, most of it imports; 32 s before
+    # measured 7-9 s on 2 busy cores, most of it imports, and 15.6 s beside a second pytest-xdist worker and another
+    # job on them; 32 s before
+    assert elapsed < 20, elapsed
     assert not os.path.exists(tmp_path / "hf" / "datasets" / "trl-lib___deep_math-103_k")
 
 

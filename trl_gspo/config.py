@@ -2,15 +2,18 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import numbers
+import re
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from fractions import Fraction
 
 from transformers.utils import logging
 from trl import GRPOConfig
 
-from .sampling.old_logps import check_old_logps_option
+from .sampling.old_logps import OLD_LOGPS_SOURCES, check_old_logps_option
 
 logger = logging.get_logger(__name__)  # transformers' logger: adds `warning_once`
 
@@ -56,7 +59,8 @@ NON_LOSS_FIELDS = (
 )
 # Fields `GSPOConfig` adds to `GRPOConfig`.
 GSPO_CONFIG_FIELDS = ("routing_replay", "routing_replay_offload", "routing_replay_min_agreement", "vllm_dtype",
-                      "vllm_server_stall_timeout", "old_logps", "merge_adapters_for_rollout", "exact_lora_merge")
+                      "vllm_server_stall_timeout", "old_logps", "merge_adapters_for_rollout", "exact_lora_merge",
+                      "clip_band", "clip_band_target", "clip_band_min", "clip_band_max")
 VLLM_DTYPES = ("auto", "float32", "bfloat16", "float16")
 DEFAULT_MIN_ROUTE_AGREEMENT = 0.75  # routing_replay_min_agreement's default (a plain GRPOConfig has no such field)
 DEFAULT_SERVER_STALL_TIMEOUT = 300.0  # vllm_server_stall_timeout's default, likewise
@@ -251,10 +255,11 @@ class GSPOConfig(GRPOConfig):
     clip_band_max: float = field(**CLIP_BAND_FIELDS["clip_band_max"])
 
     def __post_init__(self):
-        _check_types(self)
+        _check_types(self)  # before TRL's __post_init__, which computes with these sizes (0: ZeroDivisionError there)
         is_gspo = self.loss_type in GSPO_LOSS_TYPES
         mini_batches = (PAPER_MINI_BATCHES_PER_ROLLOUT * self.gradient_accumulation_steps
                         if is_gspo and self.generation_batch_size is None else None)
+        # Before TRL's __post_init__: it derives generation_batch_size from steps_per_generation, filled here.
         filled = fill_presets(self, {
             "epsilon": PAPER_EPSILON_LOW if is_gspo else 0.2, "epsilon_high": PAPER_EPSILON_HIGH if is_gspo else None,
             "beta": PAPER_BETA, "importance_sampling_level": "sequence" if is_gspo else "token",
@@ -262,9 +267,9 @@ class GSPOConfig(GRPOConfig):
         # The paper's values this config filled in (not a dataclass field: not in `to_dict()`); GSPOTrainer names them
         # at startup beside the sizes they resolve to (`setup_summary`).
         self.paper_presets = filled if is_gspo else {}
+        with parent_errors_as_ours(self):
+            super().__post_init__()
         validate_gspo_args(self)
-        check_bf16_device(self)
-        super().__post_init__()
 
 
 # Fields that `validate_gspo_args` compares, and their types: a wrong type fails here naming the field, not later
@@ -305,26 +310,49 @@ class BF16DeviceError(ValueError):
     """`bf16` (or `bf16_full_eval`) asks for bfloat16 mixed precision on a machine without a device for it."""
 
 
-def check_bf16_device(args) -> None:
-    """Refuse bf16 where transformers' `TrainingArguments` would, before it does, with one line that names `bf16`,
-    `use_cpu` and the fix (transformers says "Your setup doesn't support bf16/gpu"). TRL's configs default an unset
-    `bf16` to True (False with `fp16`), so a config that sets neither `bf16` nor `use_cpu` fails on a CPU-only machine.
-    Same condition and the same probes as transformers (looked up at call time). Shared by `GSPOConfig` and
-    `AsyncGSPOConfig`."""
-    from transformers import training_args as hf_args
+@contextmanager
+def parent_errors_as_ours(args):
+    """Run the parent's `__post_init__` (TRL's, then transformers', and whatever a user hooked there) and turn the
+    precision errors and unknown enumerated values transformers refuses into one line naming the option and the fix
+    (with the nearest valid value), chained to the original (`raise ... from`): so the config refuses exactly what
+    its TRL parent refuses, in every environment. transformers says "Your setup doesn't support bf16/gpu" where `bf16`
+    (TRL's default when unset and `fp16` is not set) or `bf16_full_eval` meets a machine without a bfloat16 device and
+    `use_cpu` is not set. Shared by `GSPOConfig` and `AsyncGSPOConfig`."""
+    bf16_given = args.bf16  # None (unset) until TRL's __post_init__ resolves it
+    try:
+        yield
+    except ValueError as err:
+        if "bf16/gpu" in str(err):
+            option = "bf16" if args.bf16 else "bf16_full_eval"
+            given = ("bf16 is unset, and TRL's configs then default it to True, which"
+                     if option == "bf16" and bf16_given is None else f"{option}=True")
+            raise BF16DeviceError(
+                f"`{option}`: {given} needs a GPU with bfloat16 support, and none is visible here (use_cpu=False). "
+                f"Fix: on a CPU pass use_cpu=True and {option}=False (command line: `--use_cpu true --{option} "
+                "false`); on a GPU machine check that torch sees the GPU (one without bfloat16: fp16=True).") from err
+        if "At most one of fp16 and bf16" in str(err):
+            full_eval = "for full eval" in str(err)
+            fp16, bf16 = ("fp16_full_eval", "bf16_full_eval") if full_eval else ("fp16", "bf16")
+            raise _error(bf16, f"{bf16}=True and {fp16}=True ask for two mixed precisions at once.",
+                         "set one of them to False.") from err
+        # transformers' enumerated fields (lr_scheduler_type, save_strategy, optim, ...): name the field and the
+        # nearest valid value
+        enum = re.fullmatch(r"(.*) is not a valid \w+, please select one of \[(.*)\]", str(err))
+        names = [f.name for f in dataclasses.fields(args) if enum and getattr(args, f.name) == enum.group(1)]
+        if names:
+            choices = [choice.strip(" '") for choice in enum.group(2).split(",")]
+            raise _error(names[0], f"unknown value {enum.group(1)!r}{did_you_mean(enum.group(1), choices)}.",
+                         f"use one of {', '.join(map(repr, choices))}.") from err
+        raise
 
-    bf16 = (not args.fp16) if args.bf16 is None else args.bf16
-    if not (bf16 or args.bf16_full_eval) or args.use_cpu:
-        return
-    if hf_args.is_torch_bf16_gpu_available() or hf_args.is_torch_xla_available():
-        return
-    option = "bf16" if bf16 else "bf16_full_eval"
-    given = ("bf16 is unset, and TRL's configs then default it to True, which" if option == "bf16" and args.bf16 is None
-             else f"{option}=True")
-    raise BF16DeviceError(f"`{option}`: {given} needs a GPU with bfloat16 support, and none is visible here (use_cpu="
-                          f"False). Fix: on a CPU pass use_cpu=True and {option}=False (command line: `--use_cpu true "
-                          f"--{option} false`); on a GPU machine check that torch sees the GPU (one without bfloat16: "
-                          "fp16=True).")
+
+def did_you_mean(value, choices) -> str:
+    """`" (did you mean 'gspo'?)"`: the choice closest in spelling to an unknown `value` (`difflib`), or `""` when none
+    is close. For every enumerated option's refusal, as unknown recipe keys get the nearest names."""
+    import difflib
+
+    close = difflib.get_close_matches(str(value), [str(choice) for choice in choices], n=1, cutoff=0.6)
+    return f" (did you mean {close[0]!r}?)" if close else ""
 
 
 def _error(option: str, problem: str, fix: str) -> ValueError:
@@ -377,16 +405,19 @@ def validate_gspo_args(args: GRPOConfig) -> None:
     """
     known = GSPO_LOSS_TYPES + TRL_LOSS_TYPES
     if args.loss_type not in known:
-        raise _error("loss_type", f"unknown value {args.loss_type!r}.", f"use one of {', '.join(map(repr, known))}.")
+        raise _error("loss_type", f"unknown value {args.loss_type!r}{did_you_mean(args.loss_type, known)}.",
+                     f"use one of {', '.join(map(repr, known))}.")
     if args.importance_sampling_level not in ("token", "sequence"):
         raise _error(
             "importance_sampling_level",
-            f"unknown value {args.importance_sampling_level!r}.",
+            f"unknown value {args.importance_sampling_level!r}"
+            f"{did_you_mean(args.importance_sampling_level, ('token', 'sequence'))}.",
             "use 'token' or 'sequence'.",
         )
     routing_replay = getattr(args, "routing_replay", "none")
     if routing_replay not in ("none", "old", "sampler"):
-        raise _error("routing_replay", f"unknown value {routing_replay!r}.", "use 'none', 'old' or 'sampler'.")
+        raise _error("routing_replay", f"unknown value {routing_replay!r}"
+                     f"{did_you_mean(routing_replay, ('none', 'old', 'sampler'))}.", "use 'none', 'old' or 'sampler'.")
     if routing_replay == "sampler":
         _check_sampler_can_route(args)
     min_agreement = getattr(args, "routing_replay_min_agreement", DEFAULT_MIN_ROUTE_AGREEMENT)
@@ -398,10 +429,11 @@ def validate_gspo_args(args: GRPOConfig) -> None:
         raise _error("vllm_server_stall_timeout", f"must be a finite number of seconds >= 0, got {stall_timeout}.",
                      f"use the default {DEFAULT_SERVER_STALL_TIMEOUT:.0f}, more for a server that may pause longer, "
                      "or 0 to turn the watch off.")
-    check_old_logps_option(args)
+    check_old_logps_option(args, did_you_mean(getattr(args, "old_logps", "trainer"), OLD_LOGPS_SOURCES))
     vllm_dtype = getattr(args, "vllm_dtype", "auto")
     if vllm_dtype not in VLLM_DTYPES:
-        raise _error("vllm_dtype", f"unknown value {vllm_dtype!r}.", f"use one of {', '.join(map(repr, VLLM_DTYPES))}.")
+        raise _error("vllm_dtype", f"unknown value {vllm_dtype!r}{did_you_mean(vllm_dtype, VLLM_DTYPES)}.",
+                     f"use one of {', '.join(map(repr, VLLM_DTYPES))}.")
     if vllm_dtype != "auto" and args.use_vllm and args.vllm_mode != "colocate":
         raise _error("vllm_dtype", f"{vllm_dtype!r} sets the dtype of TRL's colocate engine; in vllm_mode="
                      f"{args.vllm_mode!r} the server builds its own.",
@@ -430,7 +462,7 @@ def check_adaptive_band(args) -> None:
     Shared by `GSPOConfig` and `AsyncGSPOConfig`."""
     band = getattr(args, "clip_band", "fixed")
     if band not in CLIP_BANDS:
-        raise _error("clip_band", f"unknown value {band!r}.", "use 'fixed' or 'adaptive'.")
+        raise _error("clip_band", f"unknown value {band!r}{did_you_mean(band, CLIP_BANDS)}.", "use 'fixed' or 'adaptive'.")
     if band == "fixed":
         return
     if not 0 < args.clip_band_target < 1:

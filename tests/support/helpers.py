@@ -16,7 +16,9 @@ os.environ.setdefault("WANDB_MODE", "disabled")
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+# At most two torch threads, and under pytest-xdist the cores shared among its workers (one thread each on 2 cores:
+# two workers of two threads each on 2 cores spin against each other)
+torch.set_num_threads(max(1, min(2, (os.cpu_count() or 1) // int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", 1)))))
 
 
 # The smallest recipe that runs offline: CLI tests format it with `out=` and append or replace keys.
@@ -64,6 +66,21 @@ def check_run_output(output: str, cold_start: bool = True) -> str:
     phases = r"cold start (\d+s|reused), training \d+s" if cold_start else r"training \d+s"
     assert re.search(rf"\n  wall time: +\d+s for the whole command \({phases}\)\n", summary), summary
     return summary
+
+
+def assert_no_line_per_step(stderr: str, steps: int) -> None:
+    """No line of a run's `stderr` (progress-bar redraws aside) is printed once per optimizer step: each appears
+    fewer than `steps` times, where a line printed once per process (2 processes) appears twice."""
+    import collections
+    import re
+
+    # a progress bar's redraw ("Loading weights:  50%|#####     | 1/2 [00:01<00:01, ...]"); a warning may follow it
+    bars = re.compile(r"(?:[\w ./-]+:)?\s*\d+%\|[^|]*\|[^\]]*\]")
+    lines = (bars.sub("", line).strip() for line in re.split(r"[\r\n]", stderr))
+    counts = collections.Counter(line for line in lines if line)
+    repeated = {line: n for line, n in counts.items() if n >= steps}
+    assert not repeated, f"printed at least once per step ({steps} steps):\n" + "\n".join(
+        f"{n} x {line[:200]}" for line, n in repeated.items())
 
 
 def skip_without_math_verify(reward_funcs) -> None:

@@ -7,7 +7,17 @@
 Both names load on first use.
 """
 
+import warnings
 from importlib import import_module
+
+from trl.import_utils import TRLExperimentalWarning
+
+# TRL warns once, at the first import of `trl.experimental`, that its APIs may change in any release. trl-gspo pins
+# the TRL release and tests each internal it uses (docs/trl_contract.md), so the notice, raised from this package's
+# modules, is not one a user can act on: `trl.experimental` is imported here first, without it.
+with warnings.catch_warnings():
+    warnings.filterwarnings("ignore", category=TRLExperimentalWarning)
+    import trl.experimental  # noqa: F401
 
 __all__ = ["AsyncGSPOConfig", "AsyncGSPOTrainer"]
 _HOMES = {"AsyncGSPOConfig": ".config", "AsyncGSPOTrainer": ".trainer"}

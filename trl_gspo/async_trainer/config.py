@@ -8,8 +8,8 @@ from dataclasses import dataclass, field
 
 from trl.experimental.async_grpo import AsyncGRPOConfig
 
-from ..config import (CLIP_BAND_FIELDS, GSPO_LOSS_TYPES, _check_types, check_adaptive_band, check_bf16_device,
-                      check_clip_band, fill_presets)
+from ..config import (CLIP_BAND_FIELDS, GSPO_LOSS_TYPES, _check_types, check_adaptive_band, check_clip_band,
+                      did_you_mean, fill_presets, parent_errors_as_ours)
 
 # "grpo": TRL's asynchronous loss as it ships (token-level clipped ratio, mean over the micro-batch's tokens).
 ASYNC_LOSS_TYPES = (*GSPO_LOSS_TYPES, "grpo")
@@ -89,21 +89,27 @@ class AsyncGSPOConfig(AsyncGRPOConfig):
     clip_band_max: float = field(**CLIP_BAND_FIELDS["clip_band_max"])
 
     def __post_init__(self):
-        if not isinstance(self.loss_type, str) or self.loss_type not in ASYNC_LOSS_TYPES:
-            raise ValueError(f"`loss_type`: {self.loss_type!r} is not one AsyncGSPOTrainer runs. Fix: use one of "
-                             f"{', '.join(repr(t) for t in ASYNC_LOSS_TYPES)} (TRL's asynchronous trainer implements "
-                             "no other loss type).")
-        if self.routing_replay not in ("none", "sampler"):
-            raise ValueError(f"`routing_replay`: {self.routing_replay!r} is not one AsyncGSPOTrainer runs. Fix: 'none' "
-                             "or 'sampler' (R3; the asynchronous trainer has no old-policy pass for 'old' to record).")
-        if self.staleness_correction not in STALENESS_CORRECTIONS:
-            raise ValueError(f"`staleness_correction`: {self.staleness_correction!r} is not one AsyncGSPOTrainer runs. "
-                             f"Fix: one of {', '.join(repr(c) for c in STALENESS_CORRECTIONS)}.")
-        _check_types(self)  # wrong types: TypeError naming the field, as GSPOConfig
         is_gspo = self.loss_type in GSPO_LOSS_TYPES
+        # Before the parent's __post_init__, so that it (and any hook there) sees the band the run will use.
         filled = fill_presets(self, {"epsilon": ASYNC_EPSILON_LOW if is_gspo else 0.2,
                                      "epsilon_high": ASYNC_EPSILON_HIGH if is_gspo else None})
         self.presets = filled if is_gspo else {}
+        with parent_errors_as_ours(self):
+            super().__post_init__()
+        _check_types(self)  # wrong types: TypeError naming the field, as GSPOConfig
+        if self.loss_type not in ASYNC_LOSS_TYPES:
+            raise ValueError(f"`loss_type`: {self.loss_type!r} is not one AsyncGSPOTrainer runs"
+                             f"{did_you_mean(self.loss_type, ASYNC_LOSS_TYPES)}. Fix: use one of "
+                             f"{', '.join(repr(t) for t in ASYNC_LOSS_TYPES)} (TRL's asynchronous trainer implements "
+                             "no other loss type).")
+        if self.routing_replay not in ("none", "sampler"):
+            raise ValueError(f"`routing_replay`: {self.routing_replay!r} is not one AsyncGSPOTrainer runs"
+                             f"{did_you_mean(self.routing_replay, ('none', 'sampler'))}. Fix: 'none' "
+                             "or 'sampler' (R3; the asynchronous trainer has no old-policy pass for 'old' to record).")
+        if self.staleness_correction not in STALENESS_CORRECTIONS:
+            raise ValueError(f"`staleness_correction`: {self.staleness_correction!r} is not one AsyncGSPOTrainer runs"
+                             f"{did_you_mean(self.staleness_correction, STALENESS_CORRECTIONS)}. Fix: one of "
+                             f"{', '.join(repr(c) for c in STALENESS_CORRECTIONS)}.")
         if self.delta is not None and not is_gspo:
             raise ValueError("`delta`: TRL's asynchronous 'grpo' loss has no two-sided clip. Fix: leave delta "
                              "unset, or use loss_type='gspo'.")
@@ -119,5 +125,3 @@ class AsyncGSPOConfig(AsyncGRPOConfig):
         if self.max_staleness < 0:
             raise ValueError(f"`max_staleness` ({self.max_staleness}) must be >= 0. Fix: 0 trains on-policy samples "
                              "only; TRL's default is 4.")
-        check_bf16_device(self)  # before transformers' own check, with a message naming use_cpu and the fix
-        super().__post_init__()

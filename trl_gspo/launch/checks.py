@@ -11,6 +11,7 @@ import functools
 import math
 import os
 
+from ..config import did_you_mean
 from .recipe import (BUILTIN_DATASETS, BUILTIN_MODELS, BUILTIN_PREFIX, BUILTIN_TASK_MODELS, COLD_START_LAUNCHERS,
                      CONVERSATIONAL_BUILTIN_DATASETS, RecipeError, _check_builtin_dataset, cold_start_before_launch,
                      launch_options, launched_machines, launched_processes, launcher_type)
@@ -186,7 +187,8 @@ def _check_model(model_args) -> None:
     if not name:
         raise RecipeError("`model_name_or_path` is not set. Fix: builtin:tiny-qwen3-moe, a hub id or a local path.")
     if name.startswith(BUILTIN_PREFIX) and name[len(BUILTIN_PREFIX):] not in BUILTIN_MODELS:
-        raise RecipeError(f"`model_name_or_path`: unknown built-in {name!r}. Fix: use one of "
+        raise RecipeError(f"`model_name_or_path`: unknown built-in {name!r}"
+                          f"{did_you_mean(name, [BUILTIN_PREFIX + m for m in BUILTIN_MODELS])}. Fix: use one of "
                           f"{[BUILTIN_PREFIX + m for m in BUILTIN_MODELS]} or a hub id / local path.")
 
 

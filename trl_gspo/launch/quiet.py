@@ -6,6 +6,9 @@ included, is printed as before. `install()` is idempotent.
   built with it set, and TRL's configs always set it (default True): 3 to 5 times a run. A recipe cannot use the new
   name, `activation_checkpointing`, which older transformers releases in the supported range lack.
 - TRL's trainer reads `model.is_gradient_checkpointing`, which warns the same way.
+- DeepSpeed (0.19) calls `torch.distributed.all_gather_into_tensor` and `reduce_scatter_tensor`, which torch 2.13
+  deprecates: one warning of each per optimizer step and process under ZeRO-3 (the code that calls them is
+  DeepSpeed's).
 - `accelerate launch` lists the options it filled with defaults (on a CPU "`--num_processes` was set to a value of
   `0`": it runs one process). Only the lines of defaults that change nothing are dropped: one machine, no mixed
   precision at launch (the training config sets it), no dynamo, 0 or 1 processes. Any other line (several GPUs found,
@@ -24,6 +27,10 @@ FILTERED_WARNINGS = (
      FutureWarning),
     (r"`is_gradient_checkpointing` is deprecated and will be removed in v6\. Use `is_activation_checkpointing` "
      r"instead\.", FutureWarning),
+    (r"`torch\.distributed\.all_gather_into_tensor` is deprecated\. Please use `torch\.distributed\.all_gather_single` "
+     r"instead\.", FutureWarning),
+    (r"`torch\.distributed\.reduce_scatter_tensor` is deprecated\. Please use "
+     r"`torch\.distributed\.reduce_scatter_single` instead\.", FutureWarning),
 )
 
 ACCELERATE_DEFAULTS_HEADER = ("The following values were not passed to `accelerate launch` and had defaults used "

@@ -13,12 +13,13 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import re
 from dataclasses import dataclass, field
 
 from trl import DatasetMixtureConfig, ModelConfig, TrlParser
 from trl.scripts.grpo import GRPOScriptArguments
 
-from ..config import GSPOConfig
+from ..config import GSPOConfig, did_you_mean
 
 TRAINERS = ("sync", "async")  # `trainer:` GSPOTrainer (TRL's GRPOTrainer) or AsyncGSPOTrainer (TRL's AsyncGRPOTrainer)
 
@@ -171,6 +172,11 @@ def make_parser(prog: str = "trl-gspo", before_launch: bool = False, asynchronou
     parser = TrlParser((GSPOScriptArguments, config, model_config, DatasetMixtureConfig), prog=prog)
 
     def error(message: str):  # one line naming the key, instead of argparse's 200-line usage and exit
+        choice = re.search(r"invalid choice: '?(.*?)'? \(choose from (.*)\)$", message)
+        if choice:  # an enumerated key (TRL's `vllm_mode`, transformers' `lr_scheduler_type`, ...)
+            choices = [name.strip().strip("'") for name in choice.group(2).split(",")]
+            raise RecipeError(f"{message}{did_you_mean(choice.group(1), choices)}. Fix: use one of the values "
+                              "listed.")
         raise RecipeError(f"{message}. Fix: give the key a value of its type (`trl-gspo --help` lists them); write "
                           "a negative number as `--key=-1e-3`.")
 
@@ -237,7 +243,8 @@ def parse_recipe(argv: list[str], before_launch: bool = False):
         elif token.startswith("--trainer="):
             trainer = token.split("=", 1)[1]
     if trainer not in TRAINERS:
-        raise RecipeError(f"`trainer`: {trainer!r} is not one of {list(TRAINERS)}. Fix: 'sync' (GSPOTrainer) or "
+        raise RecipeError(f"`trainer`: {trainer!r} is not one of {list(TRAINERS)}{did_you_mean(trainer, TRAINERS)}. "
+                          "Fix: 'sync' (GSPOTrainer) or "
                           "'async' (AsyncGSPOTrainer, TRL's asynchronous trainer).")
     parser = make_parser(before_launch=before_launch, asynchronous=trainer == "async")
     *dataclasses, config_remaining, cli_remaining = parser.parse_args_and_config(
@@ -254,8 +261,9 @@ def parse_recipe(argv: list[str], before_launch: bool = False):
                 guess = f" (did you mean `{names[0]}`?{also})" if names else ""
                 fix = (f"rename it to `{names[0]}` (or the name you meant), or remove it" if names
                        else "check its spelling against `trl-gspo --help` (or remove it)")
+                where = f"{_key_line(argv[argv.index('--config') + 1], key)}: " if source == "recipe" else ""
                 raise RecipeError(
-                    f"unknown key `{key}` in the {source}{guess}: it is neither a "
+                    f"{where}unknown key `{key}` in the {source}{guess}: it is neither a "
                     f"{'AsyncGSPOConfig' if trainer == 'async' else 'GSPOConfig'} / ModelConfig / script field nor an "
                     f"`accelerate launch` option. Fix: {fix}."
                 )
@@ -286,6 +294,18 @@ def nearest_keys(key: str, parser, accelerate_options: dict, limit: int = 3) -> 
     return difflib.get_close_matches(key.replace("-", "_"), sorted(names), n=limit, cutoff=0.75)
 
 
+def _key_line(path: str, key: str) -> str:
+    """`path:line` of the top-level `key` in the recipe at `path` (`path` alone when it is not one)."""
+    import yaml
+
+    with open(path) as handle:
+        node = yaml.compose(handle, Loader=yaml.SafeLoader)
+    for key_node, _ in getattr(node, "value", []):
+        if getattr(key_node, "value", None) == key:
+            return f"{path}:{key_node.start_mark.line + 1}"
+    return path
+
+
 def _check_recipe_file(path: str) -> dict:
     """The recipe's mapping. Refuses a YAML syntax error as `file:line:column`, and keys left empty (YAML reads
     `key:` as null) where the field cannot be None, before TRL's parser turns them into a traceback or into a `None`
@@ -314,9 +334,9 @@ def _check_recipe_file(path: str) -> dict:
     for key, value in recipe.items():
         hint = hints.get(key)
         if value is None and hint is not None and type(None) not in typing.get_args(hint) and hint is not type(None):
-            raise RecipeError(f"`{key}` is empty in {path} (YAML reads `{key}:` with no value as null), and it needs "
-                              f"a `{getattr(hint, '__name__', hint)}`. Fix: give it a value, or delete the line for the "
-                              "default.")
+            raise RecipeError(f"{_key_line(path, key)}: `{key}` is empty (YAML reads `{key}:` with no value as "
+                              f"null), and it needs a `{getattr(hint, '__name__', hint)}`. Fix: give it a value, or "
+                              "delete the line for the default.")
     return recipe
 
 
@@ -371,7 +391,8 @@ def describe(script_args, training_args, model_args, dataset_args, launch_args) 
 
 def _check_builtin_dataset(name: str) -> None:
     if name[len(BUILTIN_PREFIX):] not in BUILTIN_DATASETS:
-        raise RecipeError(f"`dataset_name`: unknown built-in {name!r}. Fix: use one of "
+        raise RecipeError(f"`dataset_name`: unknown built-in {name!r}"
+                          f"{did_you_mean(name, [BUILTIN_PREFIX + d for d in BUILTIN_DATASETS])}. Fix: use one of "
                           f"{[BUILTIN_PREFIX + d for d in BUILTIN_DATASETS]}.")
 
 

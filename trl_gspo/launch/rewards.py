@@ -13,6 +13,7 @@ import inspect
 import os
 import sys
 
+from ..config import did_you_mean
 from .recipe import RecipeError
 
 # TRL's factories build a reward from arguments; `trl grpo` registers this one with these values.
@@ -68,7 +69,8 @@ def resolve_rewards(script_args) -> list:
             rewards.append(import_named("reward_funcs", name, "function", callable,
                                         "name a function `f(completions, **kwargs) -> list[float]`"))
         else:
-            raise RecipeError(f"`reward_funcs`: unknown reward {name!r}. Fix: use one of {sorted(registry)} or a "
+            raise RecipeError(f"`reward_funcs`: unknown reward {name!r}{did_you_mean(name, registry)}. Fix: use one "
+                              f"of {sorted(registry)} or a "
                               "dotted path `module.function`.")
     if not rewards:
         raise RecipeError("no reward: set `reward_funcs` (e.g. [digit_match_reward]) or `reward_model_name_or_path`.")

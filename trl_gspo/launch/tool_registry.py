@@ -15,6 +15,7 @@ import inspect
 import json
 import math
 
+from ..config import did_you_mean
 from .recipe import RecipeError
 from .rewards import import_named
 
@@ -49,7 +50,8 @@ def resolve_tools(script_args) -> dict:
             elif "." in name:
                 tools.append(import_named("tools", name, "function", callable))
             else:
-                raise RecipeError(f"`tools`: unknown tool {name!r}. Fix: use one of {sorted(registry)} or a dotted "
+                raise RecipeError(f"`tools`: unknown tool {name!r}{did_you_mean(name, registry)}. Fix: use one of "
+                                  f"{sorted(registry)} or a dotted "
                                   "path `module.function` (a typed function with a docstring, as TRL requires).")
         kwargs["tools"] = tools
     name = script_args.environment_factory
@@ -60,7 +62,8 @@ def resolve_tools(script_args) -> dict:
         elif "." in name:
             kwargs["environment_factory"] = import_named("environment_factory", name, "class", inspect.isclass)
         else:
-            raise RecipeError(f"`environment_factory`: unknown environment {name!r}. Fix: use one of "
+            raise RecipeError(f"`environment_factory`: unknown environment {name!r}{did_you_mean(name, registry)}. "
+                              "Fix: use one of "
                               f"{sorted(registry)} or a dotted path `module.Class` (a class with a `reset` method).")
     _refuse_duplicate_names(script_args, kwargs)
     return kwargs

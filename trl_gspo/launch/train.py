@@ -13,6 +13,7 @@ import os
 import sys
 import time
 
+from ..config import did_you_mean
 from . import quiet
 from .checks import (FSDP_WITHOUT_ACCELERATOR, SFT_UNDER_DEEPSPEED, SFT_UNDER_FSDP, check_conversational,
                      check_dataset_size, check_recipe)
@@ -39,8 +40,10 @@ def _prepare_builtin_model(script_args, training_args, model_args, timing: dict 
 
     name = model_args.model_name_or_path[len(BUILTIN_PREFIX):]
     if name not in BUILTIN_MODELS:
-        raise RecipeError(f"`model_name_or_path`: unknown built-in {model_args.model_name_or_path!r}. Fix: use one "
-                          f"of {[BUILTIN_PREFIX + m for m in BUILTIN_MODELS]} or a hub id / local path.")
+        builtins = [BUILTIN_PREFIX + m for m in BUILTIN_MODELS]
+        raise RecipeError(f"`model_name_or_path`: unknown built-in {model_args.model_name_or_path!r}"
+                          f"{did_you_mean(model_args.model_name_or_path, builtins)}. Fix: use one of {builtins} or a "
+                          "hub id / local path.")
     path = os.path.join(training_args.output_dir, "initial_model")
     state = PartialState()
     under_deepspeed = parse_flag_from_env("ACCELERATE_USE_DEEPSPEED") or bool(training_args.deepspeed)

@@ -63,6 +63,9 @@ def sft_cold_start(
         bf16=False,
         fp16=False,
         gradient_checkpointing=False,
+        # Under DDP: the built-in models use every weight in every forward (each layer's experts are one fused
+        # tensor), so DDP's search for unused parameters (transformers' default without checkpointing) only costs.
+        ddp_find_unused_parameters=config_overrides.pop("ddp_find_unused_parameters", False),
         seed=seed,
         data_seed=seed,
         dataloader_num_workers=0,

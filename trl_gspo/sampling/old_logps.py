@@ -36,12 +36,14 @@ OLD_LOGPS_SOURCES = ("trainer", "sampler")
 MOST_OUTSIDE_BAND = 0.5
 
 
-def check_old_logps_option(args) -> None:
-    """Refuse `old_logps` values that cannot work, before any model is loaded (`ValueError` naming the fix)."""
+def check_old_logps_option(args, suggestion: str = "") -> None:
+    """Refuse `old_logps` values that cannot work, before any model is loaded (`ValueError` naming the fix).
+    `suggestion`: what an unknown value's message adds (" (did you mean 'sampler'?)")."""
     source = getattr(args, "old_logps", "trainer")
     if source not in OLD_LOGPS_SOURCES:
-        raise ValueError(f"`old_logps`: unknown value {source!r}. Fix: use 'trainer' (recompute pi_old, TRL's "
-                         "behaviour) or 'sampler' (the sampler's log-probs, GSPO paper Sec. 5.4).")
+        raise ValueError(f"`old_logps`: unknown value {source!r}{suggestion}. Fix: use "
+                         "'trainer' (recompute pi_old, TRL's behaviour) or 'sampler' (the sampler's log-probs, GSPO "
+                         "paper Sec. 5.4).")
     if source != "sampler":
         return
     routing_replay = getattr(args, "routing_replay", "none")
