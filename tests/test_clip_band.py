@@ -69,3 +69,19 @@ def test_a_resumed_run_continues_with_the_same_band_bit_for_bit(tmp_path, tokeni
 def test_bad_adaptive_band_options_are_refused_naming_the_option(tmp_path, overrides, option):
     with pytest.raises(ValueError, match=f"`{option}`"):
         GSPOConfig(output_dir=str(tmp_path), use_cpu=True, bf16=False, report_to="none", **overrides)
+
+
+def test_the_run_summary_and_curves_show_the_band(tmp_path, capsys):
+    import types
+
+    from trl_gspo.launch.reporting import RunReportCallback
+
+    history = [{"step": step, "reward": 0.1, "gspo/clip_epsilon_low": band}
+               for step, band in enumerate([3e-4, 6e-4, 1.2e-3], start=1)]
+    args = types.SimpleNamespace(output_dir=str(tmp_path), loss_type="gspo")
+    state = types.SimpleNamespace(is_world_process_zero=True, log_history=history, global_step=3)
+    callback = RunReportCallback(plot=True)
+    callback.on_train_begin(args, state, None)
+    callback.on_train_end(args, state, None)
+    assert "clip band (adaptive):  epsilon 0.0003 -> 0.0012" in capsys.readouterr().out
+    assert (tmp_path / "training_curves.png").stat().st_size > 10_000

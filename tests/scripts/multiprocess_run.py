@@ -92,6 +92,7 @@ parser.add_argument("--lora", action="store_true", help="LoRA on attention and o
 parser.add_argument("--max-steps", type=int, default=6)
 parser.add_argument("--save-steps", type=int, default=0, help="save a checkpoint every N steps (0: never)")
 parser.add_argument("--resume", action="store_true", help="resume from the last checkpoint in OUT_DIR")
+parser.add_argument("--clip-band", default="fixed", help="GSPOConfig.clip_band")
 cli = parser.parse_args()
 
 torch.set_num_threads(1)
@@ -101,7 +102,8 @@ args = tiny_config(cli.out_dir, loss_type=cli.loss_type, routing_replay=cli.rout
                    num_iterations=2, max_steps=cli.max_steps, per_device_train_batch_size=8 // world_size,
                    learning_rate=1e-2, ddp_backend="gloo" if world_size > 1 else None,
                    router_aux_loss_coef=0.0,  # the balancing loss is per rank, so it does not add up across ranks
-                   save_strategy="steps" if cli.save_steps else "no", save_steps=cli.save_steps or 500)
+                   save_strategy="steps" if cli.save_steps else "no", save_steps=cli.save_steps or 500,
+                   clip_band=cli.clip_band)
 peft_config = None
 if cli.lora:
     from peft import LoraConfig
@@ -125,6 +127,9 @@ trainer = FingerprintingTrainer(model, distinct_characters, args=args, train_dat
 trainer.train(resume_from_checkpoint=cli.resume or None)
 history = [h for h in trainer.state.log_history if "loss" in h]
 fingerprints = trainer.accelerator.gather_for_metrics([trainer.fingerprints], use_gather_object=True)
+bands = trainer.accelerator.gather_for_metrics(  # each rank's own band per step and at the end
+    [([h.get("gspo/clip_epsilon_low") for h in history], trainer.epsilon_low, trainer.epsilon_high)],
+    use_gather_object=True)
 if trainer.is_deepspeed_enabled and trainer.accelerator.state.deepspeed_plugin.zero_stage == 3:
     import deepspeed
 
@@ -144,6 +149,7 @@ if trainer.accelerator.is_main_process:
         "replayed": [h.get("routing/replayed_token_fraction") for h in history],
         "checksum": checksum,
         "fingerprints": fingerprints,
+        "bands": bands,
         "folds": {name: folds.count(name) for name in ("generate", "old_pass")},
     }), flush=True)
 trainer.end()

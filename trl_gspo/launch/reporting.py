@@ -17,6 +17,7 @@ TOOL_KEYS = ("tools/call_frequency", "tools/failure_frequency", "tools/turns_mea
 # weight the cap truncated or masked (`staleness_correction`).
 AGE_PREFIX = "gspo/clipped_sequence_fraction/age_"
 WEIGHT_CAPPED_KEY = "gspo/behaviour_weight/capped_fraction"
+BAND_KEY = "gspo/clip_epsilon_low"  # clip_band="adaptive": the band in use (trl_gspo/trainer/clip_band.py)
 FOLDED_KEY = "lora/folded_rollout_bytes"  # LoRA: the folded expert weights a rollout held (trl_gspo/trainer/lora.py)
 
 
@@ -40,6 +41,8 @@ def summarize(log_history: list[dict]) -> dict:
                   key=lambda key: int(key[len(AGE_PREFIX):]))
     summary["clipped_by_age"] = {int(key[len(AGE_PREFIX):]): _mean(log_history, key) for key in ages}
     summary[WEIGHT_CAPPED_KEY] = _mean(log_history, WEIGHT_CAPPED_KEY)
+    _, band = _series(log_history, BAND_KEY)
+    summary[f"{BAND_KEY}_first"], summary[f"{BAND_KEY}_last"] = (band[0], band[-1]) if band else (None, None)
     _, held = _series(log_history, FOLDED_KEY)
     summary[FOLDED_KEY] = max(held) if held else None
     return summary
@@ -67,6 +70,12 @@ def plot_training_curves(log_history: list[dict], path: str, title: str = "") ->
         if values:
             right.plot(steps, values, label=key, linewidth=1.2)
     right.set(xlabel="optimizer step", ylabel="fraction", title="clipping")
+    steps, band = _series(log_history, BAND_KEY)
+    if band:  # clip_band="adaptive": the band it clipped with, on its own log axis
+        axis = right.twinx()
+        axis.plot(steps, band, color="black", linestyle="--", linewidth=1.0, label="epsilon (adaptive band)")
+        axis.set(yscale="log", ylabel="epsilon")
+        axis.legend(fontsize=7, loc="lower right")
     right.legend(fontsize=7)
     right.grid(alpha=0.3)
     if title:
@@ -157,6 +166,9 @@ class RunReportCallback(TrainerCallback):
                 + "  (gspo/clipped_sequence_fraction/age_K)"]
         if summary[WEIGHT_CAPPED_KEY] is not None:
             lines[-1:-1] = [f"  weights capped:        {fmt(summary[WEIGHT_CAPPED_KEY])}  (mean {WEIGHT_CAPPED_KEY})"]
+        if summary[f"{BAND_KEY}_first"] is not None:
+            lines[-1:-1] = [f"  clip band (adaptive):  epsilon {summary[f'{BAND_KEY}_first']:.3g} -> "
+                            f"{summary[f'{BAND_KEY}_last']:.3g}  ({BAND_KEY}, first and last logging windows)"]
         if summary[FOLDED_KEY]:
             lines[-1:-1] = [f"  LoRA folded rollout:   {summary[FOLDED_KEY] / 2**30:.3f} GiB of expert weights held per "
                             f"rank (max {FOLDED_KEY}; merge_adapters_for_rollout: false saves it)"]
