@@ -30,7 +30,7 @@ def fake_accelerator(monkeypatch):
 
 LEFT_OUT: dict[str, int] = {}  # marker -> tests the selection below left out: the note at a run's end
 LEFT_OUT_HOW = {"slow": "end-to-end and multi-process runs: `-m slow`", "gpu": "`-m gpu`, on a GPU",
-                "vllm": "`-m vllm`, with vLLM installed"}
+                "vllm": "`-m vllm`, with vLLM installed", "docs": "`-m docs`, after `mkdocs build`"}
 
 
 @pytest.hookimpl(optionalhook=True)
@@ -47,11 +47,11 @@ def pytest_xdist_auto_num_workers(config):
 def pytest_collection_modifyitems(config, items):
     """Selection by marker (markers: pyproject.toml), whatever paths or `-k` say: the GPU acceptance suite and the
     real-vLLM suite run only when the `-m` expression names `gpu` or `vllm` (each needs what a plain test environment
-    lacks), and the `slow` tests (end-to-end and multi-process runs, three quarters of the suite's time) only when it
+    lacks), the built-site checks only when it names `docs`, and the `slow` tests (end-to-end and multi-process runs, three quarters of the suite's time) only when it
     names `slow`, `gpu` or `vllm`. So `pytest` (the README's test command), `pytest tests/test_resume.py` and
     `pytest -k resume` are fast; `pytest -m slow` runs the slow tests, and CI runs both."""
     named = config.option.markexpr or ""
-    for marker in ("gpu", "vllm"):
+    for marker in ("gpu", "vllm", "docs"):
         if marker in named:
             continue
         LEFT_OUT[marker] = len(_leave_out(config, items, marker))

@@ -1,5 +1,5 @@
 """Several nodes, on one machine: two launchers talking over loopback are two nodes to accelerate and
-torch.distributed (one CPU process per "node", gloo). The README's multi-node command is what runs here:
+torch.distributed (one CPU process per "node", gloo). The multi-node command of docs/gpus.md is what runs here:
 
     trl-gspo --config RECIPE --num_machines 2 --num_processes 2 --machine_rank 0|1 \\
         --main_process_ip 127.0.0.1 --main_process_port PORT
@@ -46,23 +46,23 @@ def _recipe(tmp_path: Path, **overrides) -> Path:
     return path
 
 
-def readme_multinode_command() -> list[str]:
-    """The several-nodes command as the README shows it (its first line and the continuation)."""
-    text = (ROOT / "README.md").read_text()
+def documented_multinode_command() -> list[str]:
+    """The several-nodes command as docs/gpus.md shows it (its first line and the continuation)."""
+    text = (ROOT / "docs" / "gpus.md").read_text()
     start = text.index("trl-gspo --config recipes/qwen3_30b_a3b/gspo.yaml --num_machines")
     first, second = text[start:].splitlines()[:2]
     return shlex.split(first.rstrip("\\") + " " + second)
 
 
 def _node_command(recipe, backend, output_dir, machine_rank, port, *extra) -> list[str]:
-    """The README's multi-node command for one node, with this machine's values: the tiny recipe, one process per
-    node, loopback. Every option the README passes is passed, so a change there changes what runs here."""
+    """The documented multi-node command for one node, with this machine's values: the tiny recipe, one process per
+    node, loopback. Every option the docs pass is passed, so a change there changes what runs here."""
     values = {"--config": str(recipe), "--num_processes": "2", "--machine_rank": str(machine_rank),
               "--main_process_ip": "127.0.0.1", "--main_process_port": str(port), "--num_machines": "2"}
-    readme = readme_multinode_command()
-    assert readme[0] == "trl-gspo" and set(readme[1::2]) == set(values), readme  # options: exactly these
+    documented = documented_multinode_command()
+    assert documented[0] == "trl-gspo" and set(documented[1::2]) == set(values), documented  # options: exactly these
     command = [sys.executable, "-m", "trl_gspo.launch.cli"]
-    for option in readme[1::2]:
+    for option in documented[1::2]:
         command += [option, values[option]]
     return command + ["--accelerate_config", str(CONFIGS[backend]), "--output_dir", str(output_dir), *extra]
 
@@ -102,7 +102,7 @@ def _assert_same_weights(a: dict, b: dict):
         torch.testing.assert_close(a[name], b[name], rtol=1e-5, atol=1e-7, msg=name)
 
 
-# ------------------------------------------------------------------ the README command, shared output_dir
+# ------------------------------------------------------------------ the documented command, shared output_dir
 @pytest.fixture(scope="module")
 def one_node_runs(tmp_path_factory):
     """The recipe on one node with two processes, per backend: what two nodes of one process each must reproduce
@@ -121,7 +121,7 @@ def one_node_runs(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def two_node_runs(tmp_path_factory):
-    """The README's command on two loopback nodes sharing output_dir, per backend: (output_dir, per-node results)."""
+    """The documented command on two loopback nodes sharing output_dir, per backend: (output_dir, per-node results)."""
     runs = {}
     for backend in CONFIGS:
         tmp = tmp_path_factory.mktemp(f"two_nodes_{backend}")
@@ -132,7 +132,7 @@ def two_node_runs(tmp_path_factory):
 
 @pytest.mark.parametrize("backend", list(CONFIGS))
 @pytest.mark.slow
-def test_readme_multinode_command_trains_like_one_node(backend, two_node_runs, one_node_runs):
+def test_documented_multinode_command_trains_like_one_node(backend, two_node_runs, one_node_runs):
     out, nodes = two_node_runs[backend]
     for code, _, stderr in nodes:
         assert code == 0, stderr[-3000:]
@@ -309,7 +309,7 @@ def test_save_on_each_node_is_refused_on_several_machines(tmp_path, capsys, no_l
 
 
 def test_shipped_multinode_configs_use_the_standard_launcher():
-    """Every shipped DeepSpeed config runs the README's every-node command (torchrun on each node)."""
+    """Every shipped DeepSpeed config runs the documented every-node command (torchrun on each node)."""
     import yaml
 
     for path in sorted(ACCELERATE.glob("*.yaml")):
@@ -345,13 +345,14 @@ def test_join_timeout_and_port_probe():
     assert not multinode.port_in_use(free_port())
 
 
-def test_readme_and_docs_show_the_tested_command():
-    """The tests run the README's command (`readme_multinode_command`); docs/gpus.md shows the same one."""
-    readme = readme_multinode_command()
-    assert readme[readme.index("--num_machines") + 1] == "2" and readme[readme.index("--machine_rank") + 1] == "0"
-    gpus = (ROOT / "docs" / "gpus.md").read_text()
-    assert " ".join(readme) in " ".join(gpus.replace("\\\n", " ").split())  # the same command, line breaks aside
-    assert "tests/test_multinode.py" in gpus
+def test_the_docs_show_the_tested_command():
+    """The tests run docs/gpus.md's command (`documented_multinode_command`); docs/recipes.md shows the same one."""
+    command = documented_multinode_command()
+    assert command[command.index("--num_machines") + 1] == "2" and command[command.index("--machine_rank") + 1] == "0"
+    for page in ("gpus.md", "recipes.md"):
+        text = (ROOT / "docs" / page).read_text()
+        assert " ".join(command) in " ".join(text.replace("\\\n", " ").split()), page  # line breaks aside
+    assert "tests/test_multinode.py" in (ROOT / "docs" / "gpus.md").read_text()
 
 
 def _save_on_rank(rank: int, init_file: str, out: str) -> None:

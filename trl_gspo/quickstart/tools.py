@@ -266,9 +266,7 @@ def build_tool_model(
     model is so small that one thread beats two, by far on a busy machine. With ``output_dir`` the model and
     tokenizer are saved there (a directory vLLM can load). Returns ``(model, tokenizer)``, the model in eval mode.
 
-    Measured with the defaults (2-core machine shared with other jobs, one thread): about 44 s; sampling at
-    temperature 1, 92% of first turns are well-formed ``add`` calls, 66% with the prompt's operands, and 62% of
-    episodes end with the right sum.
+    What the defaults' cold start costs and what the model then samples: docs/results.md#the-tool-calling-quickstart.
     """
     tokenizer = build_tool_tokenizer()
     model = build_model(tokenizer, config_overrides={**TOOL_MODEL_CONFIG, **(config_overrides or {})}, seed=seed)

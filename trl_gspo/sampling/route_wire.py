@@ -163,8 +163,8 @@ def reference_index(reference) -> int | None:
 
 def receive_buffer(size: int):
     """A writable buffer of `size` bytes for a frame. Linux: anonymous memory mapped with MAP_POPULATE, its pages
-    mapped in one call rather than one fault per 4 KiB page on first write (measured on a 2-core x86_64 VM,
-    2026-11-27: a 0.88 GB copy into a fresh bytearray took 1.2-1.4 s, into populated memory 0.7-1.0 s); elsewhere a
+    mapped in one call rather than one fault per 4 KiB page on first write, which makes copying a frame into it
+    faster than into a fresh bytearray (docs/results.md#r3s-routes-in-server-mode-at-the-flagships-size); elsewhere a
     bytearray."""
     import mmap
 

@@ -30,8 +30,8 @@ def check_moe_aux_loss(config, args) -> None:
     TRL 1.16 computes the aux loss in its fused log-prob path from `config.num_experts` and
     `config.num_experts_per_tok`. Families that name the expert count otherwise (GraniteMoE and Llama4:
     `num_local_experts`; DeepSeek-V3 and GLM-4-MoE: `n_routed_experts`) fail there with an AttributeError, on the
-    first scoring pass (measured: 144 s into a GraniteMoE-3B run on an H100, 2026-11-24). Raises `ValueError` naming
-    the option and the fix.
+    first scoring pass, after the first generation (docs/results.md#on-one-h100). Raises `ValueError` naming the
+    option and the fix.
     """
     text_config = config.get_text_config() if hasattr(config, "get_text_config") else config
     if not aux_loss_enabled(text_config, args):

@@ -24,8 +24,8 @@ colocate at TP 1) are left as TRL runs them.
 3. HF generate under ZeRO-3 / FSDP: a rank with no samples runs a one-token generate so that its parameter gathers and
    `synced_gpus` steps meet the other ranks'.
 
-`trl_tool_loop_needs_lockstep()` says which TRL versions need it: the ones read and measured here (TRL PR 6673, which
-would fix the server slice, was open in Nov 2026). A TRL outside that range runs its own loop unchanged.
+`trl_tool_loop_needs_lockstep()` says which TRL versions need it: the ones read and measured here (docs/tool_turns.md). A TRL
+outside that range runs its own loop unchanged.
 """
 
 from __future__ import annotations

@@ -1,0 +1,123 @@
+"""Every docs page opens with its "What to do" box: a blockquote of at most 10 lines right under the title, headed
+**What to do**, holding the settings or commands a user needs from the page; derivations, measurements and history
+follow it.
+
+The source check runs in the fast suite. The `docs` tests read the built site (`pytest -m docs`, CI's docs leg, after
+`mkdocs build --strict`): the box is the first block after each page's title there too, and every Markdown table kept
+all its rows in rendering (a table that breaks renders as a paragraph, or loses the rows after a bad line)."""
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+PAGES = sorted((ROOT / "docs").glob("*.md"))
+IDS = [page.name for page in PAGES]
+BOX_TITLE = "> **What to do**"
+MAX_BOX_LINES = 10
+FENCE = re.compile(r"^\s*(```|~~~)")
+
+
+def _box(text):
+    """The box's lines: the blockquote right after the title (blank lines between them allowed)."""
+    lines = text.splitlines()
+    assert lines[0].startswith("# "), "the page opens with its title"
+    rest = lines[1:]
+    while rest and not rest[0].strip():
+        rest = rest[1:]
+    box = []
+    for line in rest:
+        if not line.startswith(">"):
+            break
+        box.append(line)
+    return box
+
+
+@pytest.mark.parametrize("page", PAGES, ids=IDS)
+def test_every_page_opens_with_a_short_what_to_do_box(page):
+    box = _box(page.read_text())
+    assert box and box[0] == BOX_TITLE, f"{page.name}: the first block after the title is not `{BOX_TITLE}`"
+    assert len(box) <= MAX_BOX_LINES, f"{page.name}: the box has {len(box)} lines, at most {MAX_BOX_LINES}"
+    assert any(line.startswith("> - ") for line in box), f"{page.name}: the box lists nothing to do"
+
+
+def test_the_docs_index_is_a_map_of_every_page():
+    """docs/index.md has one line per page, saying which question it answers."""
+    index = (ROOT / "docs" / "index.md").read_text()
+    mapped = re.findall(r"^- \[[^\]]+\]\(([\w.]+\.md)\): .+\?$", index, flags=re.M)
+    assert sorted(mapped) == sorted(page.name for page in PAGES if page.name != "index.md")
+
+
+def _md_tables(text):
+    """Body-row counts of the Markdown tables in a page, in order (fenced code left out)."""
+    tables, fenced, rows, header = [], False, None, None
+    for line in text.splitlines() + [""]:
+        if FENCE.match(line):
+            fenced = not fenced
+        stripped = line.strip()
+        if not fenced and rows is not None and stripped.startswith("|"):
+            rows += 1
+            continue
+        if rows is not None:
+            tables.append(rows)
+            rows = None
+        if not fenced and header is not None and re.fullmatch(r"\|?\s*:?-+:?\s*(\|\s*:?-+:?\s*)*\|?", stripped):
+            rows = 0
+        header = stripped if not fenced and stripped.startswith("|") else None
+    return tables
+
+
+def _html_tables(html):
+    return [len(re.findall(r"<tr[ >]", re.search(r"<tbody>(.*?)</tbody>", table, flags=re.S).group(1)))
+            if "<tbody>" in table else 0 for table in re.findall(r"<table>(.*?)</table>", html, flags=re.S)]
+
+
+def test_the_table_counter_counts_rows():
+    text = "# T\n\n| a | b |\n|---|---|\n| 1 | 2 |\n| 3 | 4 |\n\n```text\n| x |\n|---|\n| y |\n```\n\n|a|\n|:-:|\n|1|\n"
+    assert _md_tables(text) == [2, 1]
+    html = "<table><thead><tr><th>a</th></tr></thead><tbody><tr><td>1</td></tr>\n<tr><td>2</td></tr></tbody></table>"
+    assert _html_tables(html) == [2]
+
+
+@pytest.fixture(scope="module")
+def site(tmp_path_factory):
+    """The built site: TRL_GSPO_SITE_DIR (CI's docs leg passes the site it has just built), else a fresh
+    `mkdocs build --strict` into a temporary directory."""
+    given = os.environ.get("TRL_GSPO_SITE_DIR")
+    if given:
+        return Path(given).resolve()
+    pytest.importorskip("mkdocs", reason='mkdocs is not installed: pip install -e ".[docs]" (CI\'s docs leg)')
+    out = tmp_path_factory.mktemp("site")
+    built = subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir", str(out)], cwd=ROOT,
+                           capture_output=True, text=True, env={**os.environ, "NO_MKDOCS_2_WARNING": "1"}, timeout=600)
+    assert built.returncode == 0, built.stderr[-3000:]
+    return out
+
+
+def _html(site, page):
+    path = site / "index.html" if page.name == "index.md" else site / page.stem / "index.html"
+    assert path.is_file(), f"{page.name} was not built ({path})"
+    return path.read_text()
+
+
+@pytest.mark.docs
+@pytest.mark.parametrize("page", PAGES, ids=IDS)
+def test_the_built_page_opens_with_the_box(site, page):
+    html = _html(site, page)
+    after_title = re.search(r"<h1[ >].*?</h1>\s*(<[^>]+>)\s*(<[^>]+>)\s*(<[^>]+>)([^<]*)", html, flags=re.S)
+    assert after_title, f"{page.name}: no title in the built page"
+    assert after_title.groups() == ("<blockquote>", "<p>", "<strong>", "What to do"), \
+        f"{page.name}: the first block after the title is {after_title.group(0)[-200:]!r}"
+
+
+@pytest.mark.docs
+@pytest.mark.parametrize("page", PAGES, ids=IDS)
+def test_no_table_lost_rows_in_rendering(site, page):
+    text = page.read_text()
+    if re.search(r"^::: ", text, flags=re.M):
+        pytest.skip(f"{page.name}: mkdocstrings renders tables of its own from the docstrings")
+    assert _html_tables(_html(site, page)) == _md_tables(text), f"{page.name}: body rows per table, HTML vs Markdown"
