@@ -51,6 +51,8 @@ PAPER = dict(epsilon=3e-4, epsilon_high=4e-4)  # the GSPO paper's band
 LOSSES = {"gspo": dict(loss_type="gspo", **PAPER), "gspo_delta": dict(loss_type="gspo", delta=2.0, **PAPER),
           "gspo_wide": dict(loss_type="gspo", epsilon=3e-3, epsilon_high=4e-3),
           "gspo_wide100": dict(loss_type="gspo", epsilon=3e-2, epsilon_high=4e-2),
+          # The band set by the run (clip_band="adaptive"): starts at the paper's, moves toward 15% clipped tokens.
+          "gspo_adaptive": dict(loss_type="gspo", clip_band="adaptive", **PAPER),
           "gspo_band0.2": dict(loss_type="gspo", epsilon=0.2, epsilon_high=0.2),  # TRL's token band, per sequence
           "gspo_r3": dict(loss_type="gspo", routing_replay="sampler", **PAPER), "grpo": dict(loss_type="grpo"),
           # The decoupled objective (docs/gspo.md): the band against the trainer's weights, the sampler-to-trainer gap
@@ -112,7 +114,8 @@ def one_run(spec: dict) -> dict:
     model_dir, staleness, dtype = spec["model_dir"], spec["staleness"], getattr(torch, spec["dtype"])
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     args = AsyncGSPOConfig(output_dir=spec["output_dir"], use_cpu=True, report_to="none", disable_tqdm=True,
-                           save_strategy="no", seed=spec["seed"], learning_rate=5e-4, max_steps=spec["steps"],
+                           save_strategy="no", seed=spec["seed"], learning_rate=spec.get("lr", 5e-4),
+                           max_steps=spec["steps"],
                            max_staleness=staleness, token_budget=0, **LOSSES[spec["loss"]])
     trainer = AsyncGSPOTrainer(model=model_dir, args=args, train_dataset=make_rl_dataset(8, seed=0),
                                processing_class=tokenizer, rollout_worker=QueueWorker(),
@@ -223,6 +226,7 @@ def main():
     parser.add_argument("--seeds", type=int, default=3)
     parser.add_argument("--first-seed", type=int, default=0, help="seeds first-seed .. first-seed + seeds - 1")
     parser.add_argument("--steps", type=int, default=150)
+    parser.add_argument("--lr", type=float, default=5e-4, help="the trainer's constant learning rate")
     parser.add_argument("--staleness", default="0,1,2,4")
     parser.add_argument("--losses", default="gspo,gspo_delta,grpo")
     parser.add_argument("--dtypes", default="float32,bfloat16")
@@ -256,7 +260,7 @@ def main():
     _setup.header("async_staleness", "cpu", torch.float32, "trainer float32")
     model_dir = build_cold_started(Path(options.cache) / f"sampler_likelihoods_model_sft{options.sft_steps}",
                                    options.sft_steps)
-    specs = [dict(loss=loss, staleness=k, dtype=dtype, seed=seed, steps=steps, model_dir=str(model_dir))
+    specs = [dict(loss=loss, staleness=k, dtype=dtype, seed=seed, steps=steps, model_dir=str(model_dir), lr=options.lr)
              for loss in options.losses.split(",") for dtype in options.dtypes.split(",") for k in stalenesses
              for seed in range(options.first_seed, options.first_seed + seeds)]
 

@@ -13,6 +13,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from support.helpers import cpu_env
 
 ROOT = Path(__file__).resolve().parents[1]
 PAGES = sorted((ROOT / "docs").glob("*.md"))
@@ -93,7 +94,7 @@ def site(tmp_path_factory):
     pytest.importorskip("mkdocs", reason='mkdocs is not installed: pip install -e ".[docs]" (CI\'s docs leg)')
     out = tmp_path_factory.mktemp("site")
     built = subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir", str(out)], cwd=ROOT,
-                           capture_output=True, text=True, env={**os.environ, "NO_MKDOCS_2_WARNING": "1"}, timeout=600)
+                           capture_output=True, text=True, env=cpu_env(NO_MKDOCS_2_WARNING="1"), timeout=600)
     assert built.returncode == 0, built.stderr[-3000:]
     return out
 
