@@ -19,6 +19,9 @@ import sys
 import tempfile
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).parent))
+import _setup  # noqa: E402
+
 ROOT = Path(__file__).resolve().parents[1]
 ARMS = ("fixed", "adaptive")
 
@@ -56,6 +59,9 @@ def main():
     args = parser.parse_args()
     if args.quick:
         args.lrs, args.seeds = [5e-4], [0]
+    import torch
+
+    _setup.header("clip_band_sync", "cpu", torch.float32, "the quickstart's")
     runs = {}
     with tempfile.TemporaryDirectory() as scratch:
         for lr in args.lrs:
