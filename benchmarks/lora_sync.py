@@ -109,19 +109,26 @@ def keep_previous(stream):
         pass
 
 
+def whole_delta(target):
+    """PEFT's merge arithmetic with its full-size delta in the adapters' dtype, then `(W + delta)` cast: what the sync
+    built for an attention weight before slicing."""
+    with torch.no_grad():
+        weight = target.parameter
+        for adapter in _active(target.layer):
+            weight = (weight + target.layer.get_delta_weight(adapter)).to(target.parameter.dtype)
+        return weight
+
+
 def whole_delta_stream(model, stream):
-    """The sync's arithmetic before slicing: a full-size delta in the adapters' dtype, then `(W + delta)` cast."""
+    """The sync as it was before slicing: attention weights by `whole_delta`, experts as today."""
     from trl_gspo.lora_merge import effective_weight, merge_calls_skipped
 
     targets = {t.parameter.data_ptr(): t for t in adapter_targets(model)}
-    with merge_calls_skipped(model), torch.no_grad():
+    with merge_calls_skipped(model):
         for name, tensor in stream():
             target = targets.get(tensor.data_ptr())
-            if target is not None and not target.expert_stack:
-                for adapter in _active(target.layer):
-                    tensor = (tensor + target.layer.get_delta_weight(adapter)).to(target.parameter.dtype)
-            elif target is not None:
-                tensor = effective_weight(target)
+            if target is not None:
+                tensor = effective_weight(target) if target.expert_stack else whole_delta(target)
             yield name, tensor
 
 
@@ -176,20 +183,13 @@ def main():
               f" x largest; one sync {median[name] * 1e3:8.1f} ms", flush=True)
     from trl_gspo.lora_merge import effective_weight
 
-    def whole(target):
-        with torch.no_grad():
-            weight = target.parameter
-            for adapter in _active(target.layer):
-                weight = (weight + target.layer.get_delta_weight(adapter)).to(target.parameter.dtype)
-            return weight
-
     for kind, expert_stack in (("attention", False), ("experts", True)):
         kind_targets = [t for t in targets if t.expert_stack == expert_stack]
         if not kind_targets:
             continue
         ratio = {name: max(peak_extra_bytes(lambda: build(t), model, device) / t.parameter.nbytes
-                           for t in kind_targets) for name, build in (("exact", effective_weight), ("whole", whole))}
-        same = sum(torch.equal(effective_weight(t), whole(t)) for t in kind_targets)
+                           for t in kind_targets) for name, build in (("exact", effective_weight), ("whole", whole_delta))}
+        same = sum(torch.equal(effective_weight(t), whole_delta(t)) for t in kind_targets)
         print(f"one {kind} tensor's build, peak extra over that tensor (worst of {len(kind_targets)}): "
               f"{ratio['exact']:.2f} as the sync builds it, {ratio['whole']:.2f} with PEFT's full-size delta; "
               f"bit for bit PEFT's merge arithmetic: {same} of {len(kind_targets)}", flush=True)

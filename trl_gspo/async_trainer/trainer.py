@@ -291,12 +291,9 @@ class AsyncGSPOTrainer(AsyncGRPOTrainer):
         read = self._log_gspo_metrics(out, mask, entropy_rows, policy_loss, ages,
                                       aux_loss.detach() if self.aux_loss_enabled else None, nonfinite)
         if self._adaptive_band is not None:  # clip_band="adaptive": the next step's band (trl_gspo/trainer/clip_band.py)
-            self._adaptive_band.observe(read.values["gspo/clipped_token_fraction"], read.tokens,
-                                        read.values["gspo/log_ratio_abs_max"])
-            if self.accelerator.sync_gradients:
-                self.epsilon_low, self.epsilon_high = self._adaptive_band.step()
-                for name, value in self._adaptive_band.metrics().items():
-                    self._metrics["train"][name].append(value)
+            band = self._adaptive_band.after_micro_batch(read, self.accelerator.sync_gradients, self._metrics["train"])
+            if band is not None:
+                self.epsilon_low, self.epsilon_high = band
         self._count_step_tokens(inputs)
         return loss
 

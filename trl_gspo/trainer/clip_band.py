@@ -57,6 +57,18 @@ class AdaptiveClipBand:
         self.clipped = self.tokens = 0.0
         return self.band
 
+    def after_micro_batch(self, read, optimizer_step: bool, metrics: dict) -> tuple[float, float] | None:
+        """A training micro-batch's metrics (`metrics.read_to_host`'s `HostMetrics`, over every rank) observed; at the
+        optimizer step (`optimizer_step`: accelerate's `sync_gradients`) the band moves, its metrics go into `metrics`
+        (TRL's `_metrics["train"]`) and the next band is returned, else None."""
+        self.observe(read.values["gspo/clipped_token_fraction"], read.tokens, read.values["gspo/log_ratio_abs_max"])
+        if not optimizer_step:
+            return None
+        band = self.step()
+        for name, value in self.metrics().items():
+            metrics[name].append(value)
+        return band
+
     def metrics(self) -> dict[str, float]:
         values = dict(zip(METRICS[:2], self.band))
         if self.last_fraction is not None:

@@ -281,12 +281,9 @@ class GSPOTrainer(CheckpointMixin, ToolTurnsMixin, GRPOTrainer):
                                       per_token_kl.detach() if self.beta != 0.0 else None,
                                       aux_loss.detach() if self.aux_loss_enabled else None, nonfinite)
         if self._adaptive_band is not None and mode == "train":  # clip_band="adaptive": the next step's band
-            self._adaptive_band.observe(read.values["gspo/clipped_token_fraction"], read.tokens,
-                                        read.values["gspo/log_ratio_abs_max"])
-            if self.accelerator.sync_gradients:
-                self.epsilon_low, self.epsilon_high = self._adaptive_band.step()
-                for name, value in self._adaptive_band.metrics().items():
-                    self._metrics[mode][name].append(value)
+            band = self._adaptive_band.after_micro_batch(read, self.accelerator.sync_gradients, self._metrics[mode])
+            if band is not None:
+                self.epsilon_low, self.epsilon_high = band
         return loss
 
     def _update_entropy_controller(self, entropies, mask):
