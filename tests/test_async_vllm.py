@@ -176,20 +176,39 @@ def test_a_transfer_that_does_not_arrive_is_seen(async_server, tmp_path):
     assert [t["sent"] for t in result["transfers"]] == [True, False, False]
 
 
-def test_r3_replays_the_routes_the_server_returned(async_server, tmp_path):
-    """GSPO-token with `routing_replay="sampler"`: the server (`trl-gspo vllm-serve`, float32) returns each
-    completion's routes, TRL's rollout worker keeps them (trl_gspo/async_trainer/routing.py), the training forward
-    forces them. Step 1 trains samples of the weights it holds (staleness 0): the server's routes are the trainer's own
-    natural ones, float32 on both sides, so replay overrides (almost) nothing; every forwarded token but each
-    sample's last has a route."""
+def test_r3_with_the_adaptive_band_replays_the_server_routes_and_moves_the_band(async_server, tmp_path):
+    """GSPO-token with `routing_replay="sampler"` and `clip_band="adaptive"`, four steps: the server
+    (`trl-gspo vllm-serve`, float32) returns each completion's routes, TRL's rollout worker keeps them
+    (trl_gspo/async_trainer/routing.py), the training forward forces them. Step 1 trains samples of the weights it
+    holds (staleness 0): the server's routes are the trainer's own natural ones, float32 on both sides, so replay
+    overrides (almost) nothing; every forwarded token but each sample's last has a route.
+
+    The band starts at the paper's 3e-4 / 4e-4 and moves after every step by the rule applied to the clipped share
+    that step logged; learning rate 0.05 moves a one-version-old sequence far outside it, so it widens, and the run
+    summary shows it."""
     result = _run(tmp_path, async_server, trainer="gspo", loss_type="gspo_token", routing_replay="sampler",
-                  max_steps=2, max_staleness=0)
+                  clip_band="adaptive", epsilon=3e-4, epsilon_high=4e-4, max_steps=4, max_staleness=1, summary=True)
     steps = _trained_steps(result)
     print("R3: replay drift per step", [h["routing/replay_drift"] for h in steps],
           "unrouted token share", [h["routing/unrouted_token_fraction"] for h in steps])
-    assert len(steps) == 2 and all(h["routing/replay_drift"] is not None for h in steps)
+    assert len(steps) == 4 and all(h["routing/replay_drift"] is not None for h in steps)
     assert steps[0]["routing/replay_drift"] < 0.02
     assert all(0 < h["routing/unrouted_token_fraction"] < 0.25 for h in steps)  # each sample's last token
+
+    from trl_gspo.losses import adaptive_clip_epsilon
+
+    bands = [h["gspo/clip_epsilon_low"] for h in steps]
+    shares = [h.get("gspo/clip_band_clipped_fraction") for h in steps]
+    print("adaptive band: epsilon per step", bands, "clipped share it read", shares)
+    epsilon = 3e-4
+    for band, share, step in zip(bands, shares, steps):
+        if share is not None:  # a step whose samples had all moved less than clip_band_min leaves the band
+            epsilon = adaptive_clip_epsilon(epsilon, share, 0.15, 1e-5, 0.2)
+        assert band == pytest.approx(epsilon, rel=1e-6)
+        assert step["gspo/clip_epsilon_high"] == pytest.approx(band * 4 / 3, rel=1e-6)
+    assert bands[-1] > 3e-4  # it moved: the stale samples sat outside the paper's band
+    line = next(line for line in result["summary"].splitlines() if "clip band (adaptive)" in line)
+    assert f"epsilon {bands[0]:.3g} -> {bands[-1]:.3g}" in line
 
 
 @pytest.mark.parametrize("trainer", list(TRAINERS))

@@ -22,6 +22,7 @@ Options (JSON), all optional but `server` and `model_dir`:
                      float32) and with the initial weights
     step_sleep       seconds to sleep at the end of every step (a slow trainer: the generator runs ahead)
     resume           resume from the newest checkpoint in OUT_DIR
+    summary          add trl-gspo's end-of-run report (`RunReportCallback`, no plot): its lines go into RESULT
     any other key    an AsyncGRPOConfig field (max_steps, learning_rate, max_staleness, save_steps, ...)
 
 `queue_maxsize` is 16 here (TRL: 1024): at the end of training TRL stops its rollout worker, whose child process
@@ -36,6 +37,8 @@ trainer when TRL's queue dataset took it, `pulled_at`, where TRL checks stalenes
 """
 
 import collections
+import contextlib
+import io
 import json
 import os
 import sys
@@ -184,6 +187,7 @@ def main():
     probe_on = options.pop("probe", False)
     step_sleep = options.pop("step_sleep", 0.0)
     resume = options.pop("resume", False)
+    summary_on = options.pop("summary", False)
     if trainer_name == "gspo":
         from trl_gspo import AsyncGSPOConfig as config_cls
         from trl_gspo import AsyncGSPOTrainer as trainer_cls
@@ -251,6 +255,12 @@ def main():
             print(f"SAVED {state.global_step}", flush=True)
 
     trainer.add_callback(Record())
+    report = None
+    if summary_on:
+        from trl_gspo.launch.reporting import RunReportCallback
+
+        report = RunReportCallback(plot=False, deferred=True)
+        trainer.add_callback(report)
     start_state = None
     if resume:
         from transformers.trainer_utils import get_last_checkpoint
@@ -260,8 +270,15 @@ def main():
         trainer.train(resume_from_checkpoint=checkpoint)
     else:
         trainer.train()
+    summary = None
+    if report is not None:
+        printed = io.StringIO()
+        with contextlib.redirect_stdout(printed):
+            report.print_summary()
+        summary = printed.getvalue()
+        print(summary, flush=True)
     result = {
-        "log_history": trainer.state.log_history, "global_step": trainer.state.global_step,
+        "summary": summary, "log_history": trainer.state.log_history, "global_step": trainer.state.global_step,
         "model_version": trainer.model_version, "probes": probes, "trained": trained,
         "transfers": transfer.log, "prefix_cache_resets": transfer.prefix_cache_resets,
         "dataset_start_index": trainer.rollout_worker._loop_kwargs["dataset_start_index"],
