@@ -238,6 +238,9 @@ def main():
                         help="print the table over the runs of earlier --out files (their seeds together), run nothing")
     parser.add_argument("--markdown", action="store_true",
                         help="with --summarize: print the docs' tables (reward, clipped share) as markdown")
+    parser.add_argument("--band-table", action="store_true",
+                        help="with --summarize: the adaptive band against the fixed bands and TRL's token loss, per "
+                             "learning rate, sampler and staleness (markdown)")
     parser.add_argument("--one", help=argparse.SUPPRESS)  # internal: one run in this process
     options = parser.parse_args()
     if options.one:
@@ -245,7 +248,9 @@ def main():
         return
     if options.summarize:
         runs = [(entry.pop("spec"), entry) for path in options.summarize for entry in json.loads(Path(path).read_text())]
-        if options.markdown:
+        if options.band_table:
+            print_band_table(runs)
+        elif options.markdown:
             print_markdown(runs)
         else:
             print_table(runs, ", ".join(sorted({f"{spec['steps']} steps" for spec, _ in runs})))
@@ -366,6 +371,76 @@ def print_markdown(runs, versus="grpo"):
         key = "clipped_tok" if loss == versus else "clipped_seq"
         print(f"| {loss} | {dtype} | " + " | ".join(share(loss, dtype, k, key) for k in stalenesses) + " | "
               + " | ".join(share(loss, dtype, k, "capped").replace("nan", "-") for k in stalenesses) + " |")
+
+
+FIXED_BANDS = ("gspo", "gspo_wide", "gspo_wide100")  # the paper's band, 10x and 100x wider
+BAND_NAMES = {"gspo": "paper's band", "gspo_wide": "10x band", "gspo_wide100": "100x band",
+              "gspo_adaptive": "adaptive", "grpo": "TRL token loss"}
+
+
+def print_band_table(runs, adaptive="gspo_adaptive", versus="grpo"):
+    """One markdown table per learning rate and sampler: per staleness k, the last-window reward of each fixed band,
+    the adaptive band and TRL's token loss (mean +- standard error over seeds, seeds in brackets), then the adaptive
+    band against the best fixed band of that cell and against TRL's token loss, in standard errors of the difference
+    (sqrt(se_a^2 + se_b^2)), and the adaptive band's clipped-token share (mean over the run; after the first 20% of
+    steps in brackets).
+
+    A fixed band with no runs in a cell where the paper's band never met a ratio other than 1 (`max|log s|` = 0 at
+    every step of every seed: float32 sampler, k = 0) clips nothing whatever its width, so it trains the paper's
+    band's runs, bit for bit; the cell shows those runs, marked `=`. The adaptive band is the same there: it skips
+    steps without movement, so it keeps its starting band (the paper's)."""
+    cells = {}
+    for spec, run in runs:
+        cells.setdefault((spec.get("lr", 5e-4), spec["dtype"], spec["staleness"], spec["loss"]), []).append(run)
+
+    def never_moved(key):
+        return key in cells and all(step["log_ratio_abs_max"] == 0 for run in cells[key] for step in run["steps"])
+
+    def stats(key):
+        rewards = [summarize(run)["reward_last"] for run in cells[key]]
+        se = statistics.stdev(rewards) / len(rewards) ** 0.5 if len(rewards) > 1 else float("nan")
+        return statistics.fmean(rewards), se, len(rewards)
+
+    def z(a, b):
+        error = (a[1] ** 2 + b[1] ** 2) ** 0.5
+        return (a[0] - b[0]) / error if error > 0 else float("nan")
+
+    for lr in sorted({key[0] for key in cells}, reverse=True):
+        for dtype in sorted({key[1] for key in cells if key[0] == lr}, key=lambda d: d != "float32"):
+            stalenesses = sorted({key[2] for key in cells if key[:2] == (lr, dtype)})
+            arms = [arm for arm in (*FIXED_BANDS, adaptive, versus) if any((lr, dtype, k, arm) in cells
+                                                                            for k in stalenesses)]
+            print(f"\nlearning rate {lr:g}, {dtype} sampler\n")
+            print("| k | " + " | ".join(BAND_NAMES.get(arm, arm) for arm in arms)
+                  + " | adaptive - best fixed | adaptive - TRL token | adaptive clipped |")
+            print("|---" * (len(arms) + 4) + "|")
+            for k in stalenesses:
+                row, figures = [], {}
+                for arm in arms:
+                    key, mark = (lr, dtype, k, arm), ""
+                    if key not in cells and arm in (*FIXED_BANDS, adaptive) and never_moved((lr, dtype, k, "gspo")):
+                        key, mark = (lr, dtype, k, "gspo"), "= "
+                    if key not in cells:
+                        row.append("-")
+                        continue
+                    figures[arm] = stats(key)
+                    mean, se, n = figures[arm]
+                    row.append(f"{mark}{mean:.3f} ± {se:.3f} ({n})")
+                fixed = [arm for arm in FIXED_BANDS if arm in figures]
+                best = max(fixed, key=lambda arm: figures[arm][0]) if fixed else None
+                against_best = (f"{figures[adaptive][0] - figures[best][0]:+.3f} "
+                                f"({z(figures[adaptive], figures[best]):+.1f} SE, vs {BAND_NAMES[best]})"
+                                if best and adaptive in figures else "-")
+                against_trl = (f"{figures[adaptive][0] - figures[versus][0]:+.3f} "
+                               f"({z(figures[adaptive], figures[versus]):+.1f} SE)"
+                               if adaptive in figures and versus in figures else "-")
+                clipped = "-"
+                if (lr, dtype, k, adaptive) in cells:
+                    own = cells[lr, dtype, k, adaptive]
+                    settled = [step["clipped_tok"] for run in own for step in run["steps"][len(run["steps"]) // 5:]]
+                    clipped = (f"{statistics.fmean(summarize(run)['clipped_tok'] for run in own):.3f} "
+                               f"({statistics.fmean(settled):.3f})")
+                print(f"| {k} | " + " | ".join(row) + f" | {against_best} | {against_trl} | {clipped} |")
 
 
 if __name__ == "__main__":

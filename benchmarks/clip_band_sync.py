@@ -5,6 +5,7 @@ recipe with `--seed`, `--learning_rate` and `--clip_band` changed; its trainer_s
 
     python benchmarks/clip_band_sync.py                       # lr 5e-4 and 5e-5, seeds 0-3, both arms: ~20 min, 2 cores
     python benchmarks/clip_band_sync.py --quick               # lr 5e-4, seed 0, 40 steps: the code path only
+    python benchmarks/clip_band_sync.py --quick --steps 8 --sft-steps 20   # the test suite's smoke run
 
 Per cell, mean +- standard error over seeds: reward in the last 20% of the logging windows, the clipped-token share
 (`gspo/clipped_token_fraction`, mean over the run) and the band at the end (`epsilon`). Last line, exactly:
@@ -26,10 +27,12 @@ ROOT = Path(__file__).resolve().parents[1]
 ARMS = ("fixed", "adaptive")
 
 
-def run(lr: float, arm: str, seed: int, out: Path, max_steps: int | None) -> dict:
+def run(lr: float, arm: str, seed: int, out: Path, max_steps: int | None, sft_steps: int | None = None) -> dict:
     command = [sys.executable, "-m", "trl_gspo.launch.cli", "--config", str(ROOT / "recipes" / "quickstart.yaml"),
                "--output_dir", str(out), "--seed", str(seed), "--learning_rate", str(lr), "--clip_band", arm,
                "--plot", "false"]
+    if sft_steps is not None:
+        command += ["--sft_steps", str(sft_steps)]
     if max_steps:
         command += ["--max_steps", str(max_steps), "--logging_steps", "4"]
     result = subprocess.run(command, capture_output=True, text=True)
@@ -54,7 +57,10 @@ def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--lrs", type=float, nargs="+", default=[5e-4, 5e-5])
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2, 3])
-    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--quick", action="store_true", help="lr 5e-4, seed 0, 40 steps")
+    parser.add_argument("--steps", type=int, default=None, help="optimizer steps per run (default: the recipe's; "
+                        "--quick: 40)")
+    parser.add_argument("--sft-steps", type=int, default=None, help="cold-start steps (default: the recipe's 600)")
     parser.add_argument("--out", type=Path, default=None, help="write every run's figures here (JSON)")
     args = parser.parse_args()
     if args.quick:
@@ -69,7 +75,7 @@ def main():
                 for arm in ARMS:
                     key = f"{lr:g}:{arm}"
                     runs.setdefault(key, []).append(run(lr, arm, seed, Path(scratch) / f"{key}-{seed}",
-                                                        40 if args.quick else None))
+                                                        args.steps or (40 if args.quick else None), args.sft_steps))
                     print(f"{key} seed {seed}: {runs[key][-1]}", flush=True)
     if args.out:
         args.out.write_text(json.dumps(runs, indent=1))

@@ -160,14 +160,16 @@ def test_sampler_likelihoods_compares_both_sources_of_pi_old(tmp_path):
 
 
 def test_async_staleness_trains_each_arm_and_summarizes_its_runs(tmp_path):
-    """GSPO and the decoupled objective at staleness 0 and 2 for a few steps (a 20-step cold start); then
-    `--summarize` rebuilds the same table from the runs file."""
+    """GSPO, the adaptive band and the decoupled objective at staleness 0 and 2 for a few steps (a 20-step cold
+    start); then `--summarize` rebuilds the same table from the runs file, and `--band-table` sets the adaptive band
+    against the fixed one."""
     runs = tmp_path / "runs.json"
-    lines = _run(BENCHMARKS / "async_staleness.py", "--losses", "gspo,dec_trunc2", "--dtypes", "float32",
+    lines = _run(BENCHMARKS / "async_staleness.py", "--losses", "gspo,gspo_adaptive,dec_trunc2", "--dtypes", "float32",
                  "--staleness", "0,2", "--seeds", "1", "--steps", "6", "--sft-steps", "20", "--cache", tmp_path,
                  "--out", runs)
     number = r"\d\.\d+"
     assert re.fullmatch(rf"async_staleness: gspo:float32:k0 {number} gspo:float32:k2 {number} "
+                        rf"gspo_adaptive:float32:k0 {number} gspo_adaptive:float32:k2 {number} "
                         rf"dec_trunc2:float32:k0 {number} dec_trunc2:float32:k2 {number}", lines[-1]), lines[-1]
     rows = {(row[0], row[2]): row for row in (line.split() for line in lines) if row[:2] in (["gspo", "float32"],
                                                                                        ["dec_trunc2", "float32"])}
@@ -175,6 +177,25 @@ def test_async_staleness_trains_each_arm_and_summarizes_its_runs(tmp_path):
     # The decoupled objective: the band against the trainer's own weights never binds; the sampler gap is measured.
     assert float(rows["dec_trunc2", "2"][3]) == 0.0 and float(rows["dec_trunc2", "2"][5]) > 0
     assert _run(BENCHMARKS / "async_staleness.py", "--summarize", runs)[-1] == lines[-1]
+
+    table = _run(BENCHMARKS / "async_staleness.py", "--summarize", runs, "--band-table")
+    assert table[0] == "learning rate 0.0005, float32 sampler"
+    assert table[2].startswith("| k | paper's band | adaptive |")
+    cells = {row.split(" | ")[0]: row.split(" | ") for row in table[4:6]}
+    assert set(cells) == {"| 0", "| 2"}
+    assert all(re.fullmatch(rf"{number} ± nan \(1\)", cell) for row in cells.values() for cell in row[1:3])
+    assert re.fullmatch(rf"[+-]{number} \([+-]?nan SE, vs paper's band\)", cells["| 2"][3])
+    # on-policy (k = 0, float32): no ratio moved, the band never moved; two versions old, it clipped and moved
+    assert cells["| 0"][1] == cells["| 0"][2] and cells["| 0"][-1] == "0.000 (0.000) |"
+
+
+def test_clip_band_sync_runs_both_bands_on_the_quickstart():
+    """benchmarks/clip_band_sync.py on the quickstart recipe, 8 steps after a 20-step cold start: the fixed band
+    stays at the paper's, the adaptive one moves."""
+    lines = _run(BENCHMARKS / "clip_band_sync.py", "--quick", "--steps", "8", "--sft-steps", "20")
+    assert re.fullmatch(r"clip_band_sync: 0\.0005:fixed \d\.\d+ 0\.0005:adaptive \d\.\d+", lines[-1]), lines[-1]
+    bands = {row.split(" | ")[1]: float(row.split(" | ")[-1].rstrip(" |")) for row in lines if row.startswith("| 0.0005")}
+    assert bands["fixed"] == 3e-4 and bands["adaptive"] != 3e-4
 
 
 def test_a_lora_sync_holds_at_most_one_and_a_half_adapted_tensors():
