@@ -199,18 +199,23 @@ def test_trains_on_queued_samples_drops_stale_ones_and_logs_clipping_by_age(tiny
 
 
 def test_config_presets_and_refusals(tmp_path):
-    gspo = AsyncGSPOConfig(output_dir=str(tmp_path), use_cpu=True)  # the band measured for asynchronous training
-    assert (gspo.loss_type, gspo.epsilon, gspo.epsilon_high, gspo.staleness_correction) == ("gspo", 3e-2, 4e-2, "none")
-    assert gspo.presets == {"epsilon": 3e-2, "epsilon_high": 4e-2}
-    kept = AsyncGSPOConfig(output_dir=str(tmp_path), use_cpu=True, epsilon=EPS_LOW, epsilon_high=EPS_HIGH)
-    assert (kept.epsilon, kept.epsilon_high, kept.presets) == (EPS_LOW, EPS_HIGH, {})  # the paper's, when asked
+    gspo = AsyncGSPOConfig(output_dir=str(tmp_path), use_cpu=True)  # the band set by the run, from the paper's
+    assert (gspo.loss_type, gspo.epsilon, gspo.epsilon_high, gspo.clip_band, gspo.staleness_correction) == (
+        "gspo", EPS_LOW, EPS_HIGH, "adaptive", "none")
+    assert gspo.presets == {"clip_band": "adaptive", "epsilon": EPS_LOW, "epsilon_high": EPS_HIGH}
+    kept = AsyncGSPOConfig(output_dir=str(tmp_path), use_cpu=True, epsilon=3e-2, epsilon_high=4e-2)
+    assert (kept.epsilon, kept.epsilon_high, kept.clip_band) == (3e-2, 4e-2, "fixed")  # a band given is kept
+    assert kept.presets == {"clip_band": "fixed"}
+    paper = AsyncGSPOConfig(output_dir=str(tmp_path), use_cpu=True, clip_band="fixed")  # the paper's, by name
+    assert (paper.epsilon, paper.epsilon_high, paper.clip_band) == (EPS_LOW, EPS_HIGH, "fixed")
     trl = AsyncGSPOConfig(output_dir=str(tmp_path), use_cpu=True, loss_type="grpo")
-    assert (trl.epsilon, trl.epsilon_high, trl.presets) == (0.2, None, {})
+    assert (trl.epsilon, trl.epsilon_high, trl.clip_band, trl.presets) == (0.2, None, "fixed", {})
     refusals = [(dict(loss_type="dapo"), "loss_type"), (dict(loss_type="grpo", delta=1.5), "delta"),
                 (dict(delta=1.0001), "delta"), (dict(epsilon=1.5), "epsilon"), (dict(epsilon_high=-1.0), "epsilon_high"),
                 (dict(max_staleness=-1), "max_staleness"), (dict(staleness_correction="clip"), "staleness_correction"),
                 (dict(loss_type="grpo", staleness_correction="truncate"), "staleness_correction"),
-                (dict(staleness_weight_cap=1.0), "staleness_weight_cap")]
+                (dict(staleness_weight_cap=1.0), "staleness_weight_cap"),
+                (dict(loss_type="grpo", clip_band="adaptive"), "clip_band")]
     for options, option in refusals:
         with pytest.raises(ValueError, match=f"`{option}`.*Fix"):
             AsyncGSPOConfig(output_dir=str(tmp_path), use_cpu=True, **options)

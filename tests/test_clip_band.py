@@ -37,8 +37,11 @@ def test_the_band_moves_with_the_clipped_share_and_the_loss_uses_it(tmp_path, to
     trainer._compute_loss = recording
     trainer.train()
     bands = _bands(trainer)
-    assert AdaptiveClipBand.build(GSPOConfig(output_dir=str(tmp_path), use_cpu=True, bf16=False, report_to="none"),
-                                  3e-4, 4e-4) is None  # the default, 'fixed', builds no controller and logs nothing
+    fixed = dict(output_dir=str(tmp_path), use_cpu=True, bf16=False, report_to="none")
+    # 'fixed' (asked for, or implied by a band given) builds no controller and logs nothing; unset is adaptive
+    assert AdaptiveClipBand.build(GSPOConfig(**fixed, clip_band="fixed"), 3e-4, 4e-4) is None
+    assert AdaptiveClipBand.build(GSPOConfig(**fixed, epsilon=3e-4, epsilon_high=4e-4), 3e-4, 4e-4) is None
+    assert AdaptiveClipBand.build(GSPOConfig(**fixed), 3e-4, 4e-4) is not None
     assert len(bands) == 6 and len({low for _, low, _ in bands}) > 2  # it moved
     assert all(high == pytest.approx(low * 4 / 3, rel=1e-12) for _, low, high in bands)  # the paper's ratio kept
     assert all(1e-5 <= low <= 0.2 for _, low, _ in bands)
@@ -65,6 +68,7 @@ def test_a_resumed_run_continues_with_the_same_band_bit_for_bit(tmp_path, tokeni
 @pytest.mark.parametrize("overrides,option", [
     (dict(clip_band="adaptve"), "clip_band"), (dict(clip_band="adaptive", clip_band_target=1.5), "clip_band_target"),
     (dict(clip_band="adaptive", epsilon=0.3), "clip_band_min"),
+    (dict(loss_type="grpo", clip_band="adaptive"), "clip_band"),  # TRL's types would ignore it: refused
 ])
 def test_bad_adaptive_band_options_are_refused_naming_the_option(tmp_path, overrides, option):
     with pytest.raises(ValueError, match=f"`{option}`"):

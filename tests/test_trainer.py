@@ -29,7 +29,7 @@ def test_gspo_matches_trl_sequence_level_grpo(tmp_path, tokenizer, gradient_accu
     """The drift guard: same model, data and seed, off-policy; GSPO must equal TRL's sequence-level 'grpo'."""
     common = dict(steps_per_generation=4 * gradient_accumulation_steps, max_steps=5,
                   gradient_accumulation_steps=gradient_accumulation_steps, per_device_train_batch_size=4)
-    ours_cfg = tiny_config(tmp_path / "ours", loss_type="gspo", **common)
+    ours_cfg = tiny_config(tmp_path / "ours", loss_type="gspo", clip_band="fixed", **common)  # TRL's band is fixed
     trl_cfg = tiny_config(tmp_path / "trl", config_cls=GRPOConfig, loss_type="grpo",
                           importance_sampling_level="sequence", epsilon=3e-4, epsilon_high=4e-4, **common)
     ours, ours_losses = _train(GSPOTrainer, build_model(tokenizer, seed=0), ours_cfg, tokenizer)
@@ -187,8 +187,8 @@ GSPO_ONLY_METRICS = {"policy_loss", "gspo/clipped_token_fraction", "gspo/delta_c
 @pytest.fixture(scope="module")
 def trainer_pair(tmp_path_factory, tokenizer):
     out = tmp_path_factory.mktemp("pair")
-    ours = GSPOTrainer(build_model(tokenizer, seed=2), digit_reward,
-                       args=tiny_config(out / "o", loss_type="gspo", steps_per_generation=4),
+    ours = GSPOTrainer(build_model(tokenizer, seed=2), digit_reward,  # TRL's band is fixed: so is ours here
+                       args=tiny_config(out / "o", loss_type="gspo", steps_per_generation=4, clip_band="fixed"),
                        train_dataset=toy_dataset(), processing_class=tokenizer)
     theirs = GRPOTrainer(build_model(tokenizer, seed=2), digit_reward,
                          args=tiny_config(out / "t", config_cls=GRPOConfig, loss_type="grpo",
@@ -504,7 +504,9 @@ def test_startup_names_the_resolved_sizes_and_the_presets_that_set_them(tmp_path
     assert record.getMessage() == (
         "loss_type='gspo': each rollout batch is 32 completions (8 prompts x 4 generations) over 1 process(es), "
         "trained as 4 mini-batches of 8 per process: 4 optimizer step(s) per rollout batch; one ratio per sequence, "
-        "clipped to [0.9997, 1.0004]; beta=0. GSPOConfig filled in the GSPO paper's values for fields left unset: "
+        "clipped to a band set by the run (clip_band='adaptive'): from [0.9997, 1.0004], moved after every optimizer "
+        "step toward 0.15 of the tokens clipped (clip_band='fixed' keeps it); beta=0. GSPOConfig filled in the GSPO "
+        "paper's values for fields left unset: "
         "beta=0.0, epsilon=0.0003, epsilon_high=0.0004, importance_sampling_level='sequence', steps_per_generation=4.")
 
     caplog.clear()

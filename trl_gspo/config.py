@@ -75,11 +75,14 @@ PAPER_MINI_BATCHES_PER_ROLLOUT = 4
 
 # The adaptive clip band's options, shared by GSPOConfig and AsyncGSPOConfig (trl_gspo/trainer/clip_band.py).
 CLIP_BAND_FIELDS = {
-    "clip_band": dict(default="fixed", metadata={
-        "help": "GSPO's clip band. 'fixed': epsilon / epsilon_high throughout. 'adaptive': starts there and moves "
-        "after every optimizer step toward clipping clip_band_target of the completion tokens (the paper's operating "
-        "point), within [clip_band_min, clip_band_max], whatever one step moves a sequence "
-        "(docs/gspo.md#a-clip-band-set-by-the-run). gspo / gspo_token only."}),
+    "clip_band": dict(default=None, metadata={
+        "help": "GSPO's clip band. 'adaptive' (unset, gspo types, epsilon and epsilon_high unset): starts at the "
+        "paper's 3e-4 / 4e-4 (or epsilon / epsilon_high) and moves after "
+        "every optimizer step toward clipping clip_band_target of the completion tokens (the paper's operating point), "
+        "within [clip_band_min, clip_band_max], whatever one step moves a sequence "
+        "(docs/gspo.md#a-clip-band-set-by-the-run). 'fixed': epsilon / epsilon_high throughout (unset: the paper's "
+        "3e-4 / 4e-4); unset with epsilon or epsilon_high set, the band given is kept. TRL's loss types: 'fixed', the "
+        "only value they take."}),
     "clip_band_target": dict(default=0.15, metadata={
         "help": "With clip_band='adaptive': the share of completion tokens the band aims to clip (the GSPO paper "
         "reports ~15% clipped with its band on Qwen3-30B-A3B)."}),
@@ -130,10 +133,13 @@ class GSPOConfig(GRPOConfig):
         exact_lora_merge (`bool`, defaults to `True`):
             With LoRA and vLLM: weight syncs send `W + delta` built out of place, one parameter at a time, so the
             frozen base stays bit for bit unchanged (TRL's in-place merge and unmerge drift it in bf16).
-        clip_band (`str`, defaults to `"fixed"`):
-            `"adaptive"`: the band starts at `epsilon` / `epsilon_high` and moves after every optimizer step toward
-            clipping `clip_band_target` (0.15) of the completion tokens, within `[clip_band_min, clip_band_max]`
-            (1e-5, 0.2), the same on every rank and saved with checkpoints (docs/gspo.md).
+        clip_band (`str`, unset: `"adaptive"` for gspo types with `epsilon` / `epsilon_high` unset, else `"fixed"`):
+            `"adaptive"`: the band starts at `epsilon` / `epsilon_high` (the paper's) and moves after every optimizer
+            step toward clipping `clip_band_target` (0.15) of the completion tokens, within
+            `[clip_band_min, clip_band_max]` (1e-5, 0.2), the same on every rank and saved with checkpoints.
+            `"fixed"`: the paper's band (or `epsilon` / `epsilon_high` as set) throughout. Measured: the adaptive
+            band trained as well as the paper's where the paper's clipped its share, and better where it clipped
+            more (docs/gspo.md#a-clip-band-set-by-the-run).
     """
 
     loss_type: str = field(
@@ -249,7 +255,7 @@ class GSPOConfig(GRPOConfig):
             "merge_adapter()/unmerge_adapter(), whose bf16 rounding moves the base at every sync (docs/lora.md)."
         },
     )
-    clip_band: str = field(**CLIP_BAND_FIELDS["clip_band"])
+    clip_band: str | None = field(**CLIP_BAND_FIELDS["clip_band"])
     clip_band_target: float = field(**CLIP_BAND_FIELDS["clip_band_target"])
     clip_band_min: float = field(**CLIP_BAND_FIELDS["clip_band_min"])
     clip_band_max: float = field(**CLIP_BAND_FIELDS["clip_band_max"])
@@ -259,6 +265,7 @@ class GSPOConfig(GRPOConfig):
         is_gspo = self.loss_type in GSPO_LOSS_TYPES
         mini_batches = (PAPER_MINI_BATCHES_PER_ROLLOUT * self.gradient_accumulation_steps
                         if is_gspo and self.generation_batch_size is None else None)
+        fill_presets(self, {"clip_band": default_clip_band(self)})  # before epsilon's preset; not the paper's value
         # Before TRL's __post_init__: it derives generation_batch_size from steps_per_generation, filled here.
         filled = fill_presets(self, {
             "epsilon": PAPER_EPSILON_LOW if is_gspo else 0.2, "epsilon_high": PAPER_EPSILON_HIGH if is_gspo else None,
@@ -359,6 +366,15 @@ def _error(option: str, problem: str, fix: str) -> ValueError:
     return ValueError(f"`{option}`: {problem} Fix: {fix}")
 
 
+def default_clip_band(args) -> str:
+    """The band an unset `clip_band` takes, read before the presets fill `epsilon`: "adaptive" for gspo types whose
+    `epsilon` and `epsilon_high` are both unset (measured against the paper's fixed band, synchronous and asynchronous,
+    at two learning rates: docs/gspo.md#a-clip-band-set-by-the-run); "fixed" when either is set (the band given is
+    the band used) and for TRL's loss types, whose epsilon means what TRL says."""
+    band_given = args.epsilon is not None or args.epsilon_high is not None
+    return "adaptive" if args.loss_type in GSPO_LOSS_TYPES and not band_given else "fixed"
+
+
 def fill_presets(args, presets: dict) -> dict:
     """Set each field of `presets` that `args` left unset (None) to its preset (a preset of None leaves the field
     unset); returns the fields filled, sorted by name, with their values. Shared by `GSPOConfig` (the paper's values)
@@ -438,11 +454,11 @@ def validate_gspo_args(args: GRPOConfig) -> None:
         raise _error("vllm_dtype", f"{vllm_dtype!r} sets the dtype of TRL's colocate engine; in vllm_mode="
                      f"{args.vllm_mode!r} the server builds its own.",
                      f"start the server with `trl vllm-serve --dtype {vllm_dtype}` and leave vllm_dtype='auto'.")
+    check_adaptive_band(args)
     if args.loss_type not in GSPO_LOSS_TYPES:
         return
 
     check_clip_band(args)
-    check_adaptive_band(args)
     if args.beta is None or args.beta < 0:
         raise _error("beta", f"must be >= 0, got {args.beta}.", "use 0.0 (GSPO paper) or a small positive KL weight.")
     if isinstance(args, GSPOConfig) and args.importance_sampling_level == "token":
@@ -459,12 +475,16 @@ CLIP_BANDS = ("fixed", "adaptive")
 
 def check_adaptive_band(args) -> None:
     """`clip_band` and, when adaptive, its target and bounds: `0 < clip_band_min <= epsilon <= clip_band_max < 1`.
-    Shared by `GSPOConfig` and `AsyncGSPOConfig`."""
-    band = getattr(args, "clip_band", "fixed")
+    Shared by `GSPOConfig` and `AsyncGSPOConfig`; called for every loss type, since TRL's types take no adaptive band
+    (it would be ignored)."""
+    band = getattr(args, "clip_band", None) or "fixed"
     if band not in CLIP_BANDS:
         raise _error("clip_band", f"unknown value {band!r}{did_you_mean(band, CLIP_BANDS)}.", "use 'fixed' or 'adaptive'.")
     if band == "fixed":
         return
+    if args.loss_type not in GSPO_LOSS_TYPES:
+        raise _error("clip_band", f"'adaptive' moves GSPO's sequence band; loss_type={args.loss_type!r} would ignore it.",
+                     "use loss_type='gspo' or 'gspo_token', or leave clip_band unset ('fixed' for TRL's loss types).")
     if not 0 < args.clip_band_target < 1:
         raise _error("clip_band_target", f"must lie in (0, 1), got {args.clip_band_target}.",
                      "use the default 0.15 (the paper's clipped share).")
@@ -528,7 +548,11 @@ def setup_summary(args, num_processes: int) -> str:
     # a fraction when a rollout batch is smaller than one optimizer step's micro-batches (e.g. "1/2")
     steps_per_rollout = Fraction(args.steps_per_generation * args.num_iterations, args.gradient_accumulation_steps)
     high = args.epsilon if args.epsilon_high is None else args.epsilon_high
-    if args.loss_type in GSPO_LOSS_TYPES:
+    if args.loss_type in GSPO_LOSS_TYPES and getattr(args, "clip_band", None) == "adaptive":
+        band = (f"one ratio per sequence, clipped to a band set by the run (clip_band='adaptive'): from "
+                f"[{1 - args.epsilon:g}, {1 + high:g}], moved after every optimizer step toward "
+                f"{args.clip_band_target:g} of the tokens clipped (clip_band='fixed' keeps it)")
+    elif args.loss_type in GSPO_LOSS_TYPES:
         band = f"one ratio per sequence, clipped to [{1 - args.epsilon:g}, {1 + high:g}]"
     else:  # TRL's own types use epsilon each in its way (clip, soft gate, weight cap)
         band = f"{args.importance_sampling_level}-level ratios, epsilon={args.epsilon:g}, epsilon_high={high:g}"

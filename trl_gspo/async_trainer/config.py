@@ -1,5 +1,5 @@
-"""`AsyncGSPOConfig`: TRL's `AsyncGRPOConfig` with GSPO's loss types, a clip band measured for asynchronous
-training, the decoupled objective and R3 (for `trl_gspo.async_trainer.AsyncGSPOTrainer`). Apart from the trainer, so
+"""`AsyncGSPOConfig`: TRL's `AsyncGRPOConfig` with GSPO's loss types, a clip band set by the run, the decoupled
+objective and R3 (for `trl_gspo.async_trainer.AsyncGSPOTrainer`). Apart from the trainer, so
 that reading a recipe loads no training code."""
 
 from __future__ import annotations
@@ -8,29 +8,24 @@ from dataclasses import dataclass, field
 
 from trl.experimental.async_grpo import AsyncGRPOConfig
 
-from ..config import (CLIP_BAND_FIELDS, GSPO_LOSS_TYPES, _check_types, check_adaptive_band, check_clip_band,
-                      did_you_mean, fill_presets, parent_errors_as_ours)
+from ..config import (CLIP_BAND_FIELDS, GSPO_LOSS_TYPES, PAPER_EPSILON_HIGH, PAPER_EPSILON_LOW, _check_types,
+                      check_adaptive_band, check_clip_band, default_clip_band, did_you_mean, fill_presets,
+                      parent_errors_as_ours)
 
 # "grpo": TRL's asynchronous loss as it ships (token-level clipped ratio, mean over the micro-batch's tokens).
 ASYNC_LOSS_TYPES = (*GSPO_LOSS_TYPES, "grpo")
 # "none": pi_old is the sampler's log-probs (the paper's objective as written); the others: the decoupled objective.
 STALENESS_CORRECTIONS = ("none", "truncate", "mask")
-# The clip band unset `epsilon` / `epsilon_high` take for gspo types: 100x the paper's 3e-4 / 4e-4. Each sample is
-# trained once, against the sampler's log-probs, so the band is the only trust region, and one optimizer step moves a
-# sequence's log-ratio past the paper's band (60% of completions clipped from one version old on). Measured in
-# miniature (docs/gspo.md "Asynchronous training", benchmarks/async_staleness.py): this band learned as fast as TRL's
-# token loss at staleness 0-4 (within 2 standard errors in 7 of 8 cells, 4 seeds each), the paper's did not, and
-# the decoupled objective and a 0.2 band, which clip less, learned slower.
-ASYNC_EPSILON_LOW, ASYNC_EPSILON_HIGH = 3e-2, 4e-2
-
-
 @dataclass
 class AsyncGSPOConfig(AsyncGRPOConfig):
-    """`AsyncGRPOConfig` with GSPO's loss types. For `"gspo"` / `"gspo_token"`, fields left unset take the band measured
-    for asynchronous training, `epsilon=3e-2`, `epsilon_high=4e-2`: 100x the GSPO paper's (Section 5.1: 3e-4 / 4e-4,
-    which a stale sample exceeds after one optimizer step; docs/gspo.md "Asynchronous training"). Set both for the
-    paper's band. TRL's asynchronous trainer has no KL term and no reference model, so the paper's `beta=0` holds by
-    construction. For `"grpo"` the defaults are TRL's (`0.2`)."""
+    """`AsyncGRPOConfig` with GSPO's loss types. For `"gspo"` / `"gspo_token"` with `epsilon` and `epsilon_high` unset,
+    the clip band is set by the run (`clip_band="adaptive"`): it starts at the GSPO paper's 3e-4 / 4e-4 and moves after
+    every optimizer step toward clipping 15% of the completion tokens, the paper's operating point. Each sample is
+    trained once against the sampler's log-probs, so the band is the only trust region, and how far a stale sample
+    has moved depends on the model, the learning rate and the sample's age: no fixed number fits them all
+    (docs/gspo.md "A clip band set by the run"). `clip_band="fixed"` keeps the paper's band (or the band set);
+    setting `epsilon` / `epsilon_high` keeps the band given. TRL's asynchronous trainer has no KL term and no
+    reference model, so the paper's `beta=0` holds by construction. For `"grpo"` the defaults are TRL's (`0.2`)."""
 
     loss_type: str = field(
         default="gspo",
@@ -39,13 +34,13 @@ class AsyncGSPOConfig(AsyncGRPOConfig):
     )
     epsilon: float | None = field(
         default=None,
-        metadata={"help": "Lower clip range. Unset: 3e-2 for gspo types (measured for asynchronous training; the GSPO "
-                          "paper's is 3e-4), 0.2 for 'grpo' (TRL's)."},
+        metadata={"help": "Lower clip range. Unset: for gspo types the GSPO paper's 3e-4, where the adaptive band "
+                          "starts (clip_band); 0.2 for 'grpo' (TRL's)."},
     )
     epsilon_high: float | None = field(
         default=None,
-        metadata={"help": "Upper clip range. Unset: 4e-2 for gspo types (measured for asynchronous training; the GSPO "
-                          "paper's is 4e-4); for 'grpo', same as epsilon."},
+        metadata={"help": "Upper clip range. Unset: for gspo types the GSPO paper's 4e-4, where the adaptive band "
+                          "starts (clip_band); for 'grpo', same as epsilon."},
     )
     routing_replay: str = field(
         default="none",
@@ -83,16 +78,18 @@ class AsyncGSPOConfig(AsyncGRPOConfig):
                           "every sync (docs/lora.md)."},
     )
 
-    clip_band: str = field(**CLIP_BAND_FIELDS["clip_band"])
+    clip_band: str | None = field(**CLIP_BAND_FIELDS["clip_band"])
     clip_band_target: float = field(**CLIP_BAND_FIELDS["clip_band_target"])
     clip_band_min: float = field(**CLIP_BAND_FIELDS["clip_band_min"])
     clip_band_max: float = field(**CLIP_BAND_FIELDS["clip_band_max"])
 
     def __post_init__(self):
         is_gspo = self.loss_type in GSPO_LOSS_TYPES
-        # Before the parent's __post_init__, so that it (and any hook there) sees the band the run will use.
-        filled = fill_presets(self, {"epsilon": ASYNC_EPSILON_LOW if is_gspo else 0.2,
-                                     "epsilon_high": ASYNC_EPSILON_HIGH if is_gspo else None})
+        # Before the parent's __post_init__, so that it (and any hook there) sees the band the run will use; the
+        # band's kind first, since it asks whether epsilon was set.
+        band = fill_presets(self, {"clip_band": default_clip_band(self)})
+        filled = {**band, **fill_presets(self, {"epsilon": PAPER_EPSILON_LOW if is_gspo else 0.2,
+                                                "epsilon_high": PAPER_EPSILON_HIGH if is_gspo else None})}
         self.presets = filled if is_gspo else {}
         with parent_errors_as_ours(self):
             super().__post_init__()
@@ -114,8 +111,7 @@ class AsyncGSPOConfig(AsyncGRPOConfig):
             raise ValueError("`delta`: TRL's asynchronous 'grpo' loss has no two-sided clip. Fix: leave delta "
                              "unset, or use loss_type='gspo'.")
         check_clip_band(self)
-        if is_gspo:
-            check_adaptive_band(self)
+        check_adaptive_band(self)
         if self.staleness_correction != "none" and not is_gspo:
             raise ValueError("`staleness_correction`: TRL's asynchronous 'grpo' loss has no decoupled form here. Fix: "
                              "leave staleness_correction='none', or use loss_type='gspo'.")
