@@ -24,7 +24,7 @@ tokenizer = build_tokenizer()
 common = dict(steps_per_generation=4, max_steps=4, per_device_train_batch_size=4, ddp_backend="gloo")
 runs = {}
 for name, cls, cfg in [
-    ("gspo", GSPOTrainer, tiny_config(out_dir / "gspo", loss_type="gspo", **common)),
+    ("gspo", GSPOTrainer, tiny_config(out_dir / "gspo", loss_type="gspo", clip_band="fixed", **common)),
     ("trl", GRPOTrainer, tiny_config(out_dir / "trl", config_cls=GRPOConfig, loss_type="grpo",
                                      importance_sampling_level="sequence", epsilon=3e-4, epsilon_high=4e-4, **common)),
 ]:
