@@ -15,8 +15,9 @@ from trl_gspo.launch.cli import main
 ROOT = Path(__file__).resolve().parents[1]
 FOLDER = ROOT / "recipes" / "granite_3b_a800m"
 TRIO = ("gspo", "grpo", "grpo_replay")
-# What the arms are allowed to differ in: the loss, its clip range, replay, and where they write.
-ARM_KEYS = {"loss_type", "importance_sampling_level", "epsilon", "epsilon_high", "routing_replay", "output_dir"}
+# What the arms are allowed to differ in: the loss, its clip range and how it is set, replay, and where they write.
+ARM_KEYS = {"loss_type", "importance_sampling_level", "epsilon", "epsilon_high", "clip_band", "routing_replay",
+            "output_dir"}
 
 
 def _load(name):

@@ -24,7 +24,7 @@ LAYOUTS = ("vllm_colocate", "vllm_server")
 VARIANTS = [(model, layout, name) for model, trio in TRIOS.items() for layout in LAYOUTS for name in trio]
 IDS = [f"{model}/{layout}/{name}" for model, layout, name in VARIANTS]
 # What the arms of a trio may differ in (as tests/test_moe_presets.py and test_cli.py's paper comparison).
-ARM_KEYS = {"loss_type", "importance_sampling_level", "epsilon", "epsilon_high", "routing_replay",
+ARM_KEYS = {"loss_type", "importance_sampling_level", "epsilon", "epsilon_high", "clip_band", "routing_replay",
             "routing_replay_offload", "output_dir"}
 # What a vLLM variant may change from its HF-generation recipe.
 LAUNCH_KEYS = {"accelerate_config", "num_processes"}
