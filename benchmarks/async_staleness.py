@@ -53,6 +53,7 @@ LOSSES = {"gspo": dict(loss_type="gspo", **PAPER), "gspo_delta": dict(loss_type=
           "gspo_wide100": dict(loss_type="gspo", epsilon=3e-2, epsilon_high=4e-2),
           # The band set by the run (clip_band="adaptive"): starts at the paper's, moves toward 15% clipped tokens.
           "gspo_adaptive": dict(loss_type="gspo", clip_band="adaptive", **PAPER),
+          "gspo_adaptive0.05": dict(loss_type="gspo", clip_band="adaptive", clip_band_target=0.05, **PAPER),
           "gspo_band0.2": dict(loss_type="gspo", epsilon=0.2, epsilon_high=0.2),  # TRL's token band, per sequence
           "gspo_r3": dict(loss_type="gspo", routing_replay="sampler", **PAPER), "grpo": dict(loss_type="grpo"),
           # The decoupled objective (docs/gspo.md): the band against the trainer's weights, the sampler-to-trainer gap
@@ -385,16 +386,18 @@ def print_band_table(runs, adaptive="gspo_adaptive", versus="grpo"):
     (sqrt(se_a^2 + se_b^2)), and the adaptive band's clipped-token share (mean over the run; after the first 20% of
     steps in brackets).
 
-    A fixed band with no runs in a cell where the paper's band never met a ratio other than 1 (`max|log s|` = 0 at
-    every step of every seed: float32 sampler, k = 0) clips nothing whatever its width, so it trains the paper's
-    band's runs, bit for bit; the cell shows those runs, marked `=`. The adaptive band is the same there: it skips
-    steps without movement, so it keeps its starting band (the paper's)."""
+    A fixed band with no runs in a cell where the paper's band never met a sequence ratio further than 1e-5 from 1
+    (`max|log s|` < 1e-5 at every step of every seed: a float32 sampler at k = 0, where the sampler's and the
+    trainer's log-probs differ by rounding only) clips nothing, since every band here is at least the paper's 3e-4
+    wide, so it trains the paper's band's runs bit for bit; the cell shows those runs, marked `=`. The adaptive band
+    is the same there: it leaves out steps whose ratios all lie within `clip_band_min` (1e-5) of 1, so it keeps its
+    starting band, the paper's."""
     cells = {}
     for spec, run in runs:
         cells.setdefault((spec.get("lr", 5e-4), spec["dtype"], spec["staleness"], spec["loss"]), []).append(run)
 
     def never_moved(key):
-        return key in cells and all(step["log_ratio_abs_max"] == 0 for run in cells[key] for step in run["steps"])
+        return key in cells and all(step["log_ratio_abs_max"] < 1e-5 for run in cells[key] for step in run["steps"])
 
     def stats(key):
         rewards = [summarize(run)["reward_last"] for run in cells[key]]
@@ -415,7 +418,7 @@ def print_band_table(runs, adaptive="gspo_adaptive", versus="grpo"):
                   + " | adaptive - best fixed | adaptive - TRL token | adaptive clipped |")
             print("|---" * (len(arms) + 4) + "|")
             for k in stalenesses:
-                row, figures = [], {}
+                row, figures, sources = [], {}, {}
                 for arm in arms:
                     key, mark = (lr, dtype, k, arm), ""
                     if key not in cells and arm in (*FIXED_BANDS, adaptive) and never_moved((lr, dtype, k, "gspo")):
@@ -423,7 +426,7 @@ def print_band_table(runs, adaptive="gspo_adaptive", versus="grpo"):
                     if key not in cells:
                         row.append("-")
                         continue
-                    figures[arm] = stats(key)
+                    figures[arm], sources[arm] = stats(key), key
                     mean, se, n = figures[arm]
                     row.append(f"{mark}{mean:.3f} ± {se:.3f} ({n})")
                 fixed = [arm for arm in FIXED_BANDS if arm in figures]
@@ -435,8 +438,8 @@ def print_band_table(runs, adaptive="gspo_adaptive", versus="grpo"):
                                f"({z(figures[adaptive], figures[versus]):+.1f} SE)"
                                if adaptive in figures and versus in figures else "-")
                 clipped = "-"
-                if (lr, dtype, k, adaptive) in cells:
-                    own = cells[lr, dtype, k, adaptive]
+                if adaptive in sources:  # its own runs, or the paper's band's where those are the same runs
+                    own = cells[sources[adaptive]]
                     settled = [step["clipped_tok"] for run in own for step in run["steps"][len(run["steps"]) // 5:]]
                     clipped = (f"{statistics.fmean(summarize(run)['clipped_tok'] for run in own):.3f} "
                                f"({statistics.fmean(settled):.3f})")
