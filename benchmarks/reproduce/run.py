@@ -33,7 +33,7 @@ import time
 from pathlib import Path
 
 ARMS = {
-    "gspo": dict(loss_type="gspo"),
+    "gspo": dict(loss_type="gspo", clip_band="fixed"),  # the paper's band throughout, as the paper ran it
     "grpo": dict(loss_type="grpo", importance_sampling_level="token", epsilon=0.2, epsilon_high=0.27),
     "grpo_rr": dict(loss_type="grpo", importance_sampling_level="token", epsilon=0.2, epsilon_high=0.27,
                     routing_replay="old"),
