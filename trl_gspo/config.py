@@ -101,7 +101,9 @@ class GSPOConfig(GRPOConfig):
     For `loss_type="gspo"` or `"gspo_token"`, fields left unset take the GSPO paper's values (arXiv 2507.18071,
     Section 5.1): `epsilon=3e-4`, `epsilon_high=4e-4`, `beta=0.0`, and `steps_per_generation =
     4 * gradient_accumulation_steps` (each rollout batch is split into 4 mini-batches, so 3 of every 4 updates are
-    off-policy). A value you set explicitly is always kept. For TRL's own loss types the defaults are TRL's.
+    off-policy). With `epsilon` and `epsilon_high` unset the band starts there and the run sets it
+    (`clip_band="adaptive"`); `clip_band="fixed"` keeps the paper's. A value you set explicitly is always kept. For
+    TRL's own loss types the defaults are TRL's.
 
     Parameters:
         loss_type (`str`, defaults to `"gspo"`):
