@@ -76,7 +76,8 @@ def plot_training_curves(log_history: list[dict], path: str, title: str = "") ->
         axis.plot(steps, band, color="black", linestyle="--", linewidth=1.0, label="epsilon (adaptive band)")
         axis.set(yscale="log", ylabel="epsilon")
         axis.legend(fontsize=7, loc="lower right")
-    right.legend(fontsize=7)
+    if right.get_legend_handles_labels()[0]:  # a history without clip metrics draws none
+        right.legend(fontsize=7)
     right.grid(alpha=0.3)
     if title:
         fig.suptitle(title)
