@@ -135,7 +135,8 @@ class GSPOConfig(GRPOConfig):
         exact_lora_merge (`bool`, defaults to `True`):
             With LoRA and vLLM: weight syncs send `W + delta` built out of place, one parameter at a time, so the
             frozen base stays bit for bit unchanged (TRL's in-place merge and unmerge drift it in bf16).
-        clip_band (`str`, unset: `"adaptive"` for gspo types with `epsilon` / `epsilon_high` unset, else `"fixed"`):
+        clip_band (`str`, *optional*):
+            Unset: `"adaptive"` for gspo types with `epsilon` / `epsilon_high` unset, else `"fixed"`.
             `"adaptive"`: the band starts at `epsilon` / `epsilon_high` (the paper's) and moves after every optimizer
             step toward clipping `clip_band_target` (0.15) of the completion tokens, within
             `[clip_band_min, clip_band_max]` (1e-5, 0.2), the same on every rank and saved with checkpoints.
