@@ -296,6 +296,15 @@ def main():
     print_table(runs, f"{steps} steps")
 
 
+def difference_in_se(a: list[float], b: list[float]) -> float:
+    """(mean a - mean b) in standard errors of the difference, sqrt(sd_a^2 / n_a + sd_b^2 / n_b); NaN with fewer than
+    two values on a side or no spread at all."""
+    if len(a) < 2 or len(b) < 2:
+        return float("nan")
+    error = (statistics.stdev(a) ** 2 / len(a) + statistics.stdev(b) ** 2 / len(b)) ** 0.5
+    return (statistics.fmean(a) - statistics.fmean(b)) / error if error > 0 else float("nan")
+
+
 def print_table(runs, what, versus="grpo"):
     """The table over every run given (its seeds), one row per loss x sampler dtype x staleness; `vs grpo`: the
     difference of the last-window reward from TRL's token loss (`versus`) at the same sampler and staleness, in
@@ -317,12 +326,11 @@ def print_table(runs, what, versus="grpo"):
             return statistics.fmean(s[key] for s in summaries)
         last, sd, n = spread(summaries)
         compare = ""
-        if loss != versus and (versus, dtype, k) in arms and n > 1:
-            other, other_sd, other_n = spread(arms[versus, dtype, k])
-            error = (sd ** 2 / n + other_sd ** 2 / other_n) ** 0.5
-            if other_n > 1 and error > 0:
-                z = (last - other) / error
-                compare = f"{last - other:+.3f} ({z:+.1f} SE){'*' if abs(z) > 2 else ' '}"
+        if loss != versus and (versus, dtype, k) in arms:
+            other = [s["reward_last"] for s in arms[versus, dtype, k]]
+            z = difference_in_se([s["reward_last"] for s in summaries], other)
+            if z == z:  # not NaN: two or more seeds on each side, and some spread
+                compare = f"{last - statistics.fmean(other):+.3f} ({z:+.1f} SE){'*' if abs(z) > 2 else ' '}"
         spread_text = f" +-{sd:.3f}" if n > 1 else ""
         print(f"{loss:<13} {dtype:<8} {k:>2} {mean('clipped_seq'):>11.3f} {mean('clipped_tok'):>11.3f} "
               f"{mean('log_ratio_abs_max'):>10.2e} {mean('capped'):>6.3f} {mean('replay_drift'):>8.3f} "
@@ -352,9 +360,7 @@ def print_markdown(runs, versus="grpo"):
         text = f"{mean:.3f} ± {sd:.3f} ({len(last)})"
         other = cells.get((versus, dtype, k))
         if loss != versus and other and len(other) > 1 and len(last) > 1:
-            other_last = [s["reward_last"] for s in other]
-            error = (sd ** 2 / len(last) + statistics.stdev(other_last) ** 2 / len(other_last)) ** 0.5
-            z = (mean - statistics.fmean(other_last)) / error if error else float("nan")
+            z = difference_in_se(last, [s["reward_last"] for s in other])
             text += f" **{z:+.1f}**" if abs(z) > 2 else f" {z:+.1f}"
         return text
 
@@ -392,21 +398,18 @@ def print_band_table(runs, adaptive="gspo_adaptive", versus="grpo"):
     wide, so it trains the paper's band's runs bit for bit; the cell shows those runs, marked `=`. The adaptive band
     is the same there: it leaves out steps whose ratios all lie within `clip_band_min` (1e-5) of 1, so it keeps its
     starting band, the paper's."""
+    from trl_gspo.config import CLIP_BAND_FIELDS
+
+    floor = CLIP_BAND_FIELDS["clip_band_min"]["default"]  # 1e-5: below it the adaptive band leaves a step out
     cells = {}
     for spec, run in runs:
         cells.setdefault((spec.get("lr", 5e-4), spec["dtype"], spec["staleness"], spec["loss"]), []).append(run)
 
     def never_moved(key):
-        return key in cells and all(step["log_ratio_abs_max"] < 1e-5 for run in cells[key] for step in run["steps"])
+        return key in cells and all(step["log_ratio_abs_max"] < floor for run in cells[key] for step in run["steps"])
 
-    def stats(key):
-        rewards = [summarize(run)["reward_last"] for run in cells[key]]
-        se = statistics.stdev(rewards) / len(rewards) ** 0.5 if len(rewards) > 1 else float("nan")
-        return statistics.fmean(rewards), se, len(rewards)
-
-    def z(a, b):
-        error = (a[1] ** 2 + b[1] ** 2) ** 0.5
-        return (a[0] - b[0]) / error if error > 0 else float("nan")
+    def rewards(key):
+        return [summarize(run)["reward_last"] for run in cells[key]]
 
     for lr in sorted({key[0] for key in cells}, reverse=True):
         for dtype in sorted({key[1] for key in cells if key[0] == lr}, key=lambda d: d != "float32"):
@@ -426,16 +429,18 @@ def print_band_table(runs, adaptive="gspo_adaptive", versus="grpo"):
                     if key not in cells:
                         row.append("-")
                         continue
-                    figures[arm], sources[arm] = stats(key), key
-                    mean, se, n = figures[arm]
-                    row.append(f"{mark}{mean:.3f} ± {se:.3f} ({n})")
+                    figures[arm], sources[arm] = rewards(key), key
+                    values = figures[arm]
+                    se = statistics.stdev(values) / len(values) ** 0.5 if len(values) > 1 else float("nan")
+                    row.append(f"{mark}{statistics.fmean(values):.3f} ± {se:.3f} ({len(values)})")
+                means = {arm: statistics.fmean(values) for arm, values in figures.items()}
                 fixed = [arm for arm in FIXED_BANDS if arm in figures]
-                best = max(fixed, key=lambda arm: figures[arm][0]) if fixed else None
-                against_best = (f"{figures[adaptive][0] - figures[best][0]:+.3f} "
-                                f"({z(figures[adaptive], figures[best]):+.1f} SE, vs {BAND_NAMES[best]})"
+                best = max(fixed, key=means.get) if fixed else None
+                against_best = (f"{means[adaptive] - means[best]:+.3f} "
+                                f"({difference_in_se(figures[adaptive], figures[best]):+.1f} SE, vs {BAND_NAMES[best]})"
                                 if best and adaptive in figures else "-")
-                against_trl = (f"{figures[adaptive][0] - figures[versus][0]:+.3f} "
-                               f"({z(figures[adaptive], figures[versus]):+.1f} SE)"
+                against_trl = (f"{means[adaptive] - means[versus]:+.3f} "
+                               f"({difference_in_se(figures[adaptive], figures[versus]):+.1f} SE)"
                                if adaptive in figures and versus in figures else "-")
                 clipped = "-"
                 if adaptive in sources:  # its own runs, or the paper's band's where those are the same runs

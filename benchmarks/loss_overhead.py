@@ -86,11 +86,10 @@ def main():
     model, tokenizer = _setup.build(args.size, args.device, dtype)
     _setup.header("loss_overhead", args.device, dtype, _setup.experts_kernel(model))
     with tempfile.TemporaryDirectory() as tmp:
-        trainers = {arm: _setup.trainer(arm.replace("_eager_checks", ""), model, tokenizer, f"{tmp}/{arm}",
-                                        args.device, dtype, args.completion_length, args.batch,
-                                        trainer_cls=EagerChecksGSPOTrainer if arm == "gspo_eager_checks" else None,
-                                        # its metrics are read one by one, not handed to the adaptive band
-                                        **({"clip_band": "fixed"} if arm == "gspo_eager_checks" else {}))
+        # the eager arm reads its metrics one by one and hands none to the adaptive band: it runs the fixed band's
+        trainers = {arm: _setup.trainer("gspo_fixed_band" if arm == "gspo_eager_checks" else arm, model, tokenizer,
+                                        f"{tmp}/{arm}", args.device, dtype, args.completion_length, args.batch,
+                                        trainer_cls=EagerChecksGSPOTrainer if arm == "gspo_eager_checks" else None)
                     for arm in arms}
         # One off-policy rollout batch (generated and scored by TRL), fed to every arm.
         reference = trainers["trl_sequence_grpo"]
