@@ -16,6 +16,8 @@ from ..config import (CLIP_BAND_FIELDS, GSPO_LOSS_TYPES, PAPER_EPSILON_HIGH, PAP
 ASYNC_LOSS_TYPES = (*GSPO_LOSS_TYPES, "grpo")
 # "none": pi_old is the sampler's log-probs (the paper's objective as written); the others: the decoupled objective.
 STALENESS_CORRECTIONS = ("none", "truncate", "mask")
+
+
 @dataclass
 class AsyncGSPOConfig(AsyncGRPOConfig):
     """`AsyncGRPOConfig` with GSPO's loss types. For `"gspo"` / `"gspo_token"` with `epsilon` and `epsilon_high` unset,
