@@ -46,6 +46,9 @@ from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).parent))
+from _band_table import difference_in_se  # noqa: E402
+
 ROOT = Path(__file__).resolve().parents[1]
 PAPER = dict(epsilon=3e-4, epsilon_high=4e-4)  # the GSPO paper's band
 LOSSES = {"gspo": dict(loss_type="gspo", **PAPER), "gspo_delta": dict(loss_type="gspo", delta=2.0, **PAPER),
@@ -109,6 +112,7 @@ def one_run(spec: dict) -> dict:
     from trl_gspo.async_trainer.trainer import _VersionedRolloutCollator
     from trl_gspo.quickstart.addition import exact_match_reward, make_rl_dataset
     from trl_gspo.routing.replay import RoutingReplay
+    from trl_gspo.trainer.clip_band import end_band_step
 
     torch.set_num_threads(1)
     torch.manual_seed(spec["seed"])
@@ -137,7 +141,7 @@ def one_run(spec: dict) -> dict:
     for step in range(spec["steps"]):
         sampler.load_state_dict(versions[0])  # the policy `staleness` steps ago (cast to the sampler's dtype)
         rows = data[step * PROMPTS:(step + 1) * PROMPTS]
-        samples, rewards = [], []
+        samples, rewards, equal_groups = [], [], 0
         for group, (prompt, answer) in enumerate(zip(rows["prompt"], rows["answer"])):
             prompt_ids = tokenizer(prompt)["input_ids"]
             with torch.no_grad():
@@ -159,6 +163,7 @@ def one_run(spec: dict) -> dict:
                 texts.append(tokenizer.decode(completion))
             reward = np.array(exact_match_reward(texts, answer=[answer] * GROUP), dtype=float)
             advantages = (reward - reward.mean()) / (reward.std() + 1e-8)  # TRL's rollout worker's rule
+            equal_groups += bool(reward.std() == 0)  # every completion the same reward: advantage 0, nothing to learn
             rewards.extend(reward.tolist())
             for row, completion in enumerate(completions):
                 n = len(completion)
@@ -175,11 +180,17 @@ def one_run(spec: dict) -> dict:
             row.add(sample)
         batch = collator([[row]])
         trainer._policy_version = step
+        # The sampler of a sample of the policy's own version held these weights (what a weight sync after every
+        # step gives `trainer.train()`): its ratio measures the sampler's noise, which the adaptive band stays above.
+        trainer._synced_at_step = trainer.state.global_step
         loss = trainer.training_step(model, batch)  # the loss and its backward (inside R3's replay block)
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         trainer.optimizer.step()
         trainer.lr_scheduler.step()
         trainer.optimizer.zero_grad()
+        trainer.state.global_step += 1
+        if trainer._adaptive_band is not None:  # the step's end, as its callback runs it in `trainer.train()`
+            end_band_step(trainer, skipped=False)
         versions.append({k: v.detach().clone() for k, v in model.state_dict().items()})
         logged = {name: values[-1] for name, values in trainer._metrics["train"].items() if values}
         logged = {name: (v[0] / v[1] if v[1] else float("nan")) if isinstance(v, tuple) and name != "routing/replay_drift"
@@ -202,7 +213,13 @@ def one_run(spec: dict) -> dict:
         drift = logged.get("routing/replay_drift")
         steps.append({"reward": statistics.fmean(rewards), "clipped_seq": clipped_seq, "clipped_tok": clipped_tok,
                       "log_ratio_abs_max": log_ratio, "loss": float(loss), "capped": capped,
-                      "replay_drift": drift[0] / drift[1] if drift else float("nan")})
+                      "replay_drift": drift[0] / drift[1] if drift else float("nan"),
+                      "equal_groups": equal_groups / PROMPTS,
+                      # the adaptive band: the epsilon this step trained with, the noise floor under it, and the
+                      # share of learnable tokens it clipped (what the rule reads; NaN on a step without signal)
+                      "epsilon": logged.get("gspo/clip_epsilon_low", trainer.epsilon_low),
+                      "noise_floor": logged.get("gspo/clip_band_noise_floor", float("nan")),
+                      "band_share": logged.get("gspo/clip_band_clipped_fraction", float("nan"))})
     return {"steps": steps}
 
 
@@ -233,6 +250,9 @@ def main():
     parser.add_argument("--dtypes", default="float32,bfloat16")
     parser.add_argument("--jobs", type=int, default=2, help="runs at once (one torch thread each)")
     parser.add_argument("--sft-steps", type=int, default=600, help="cold-start steps (the quickstart's 600)")
+    parser.add_argument("--sft-correct-fraction", type=float, default=0.5,
+                        help="share of correct answers in the cold start's data (the quickstart's 0.5); lower gives a "
+                             "weaker policy whose groups mostly get equal rewards (0.05: the harder task)")
     parser.add_argument("--cache", default=os.path.join(tempfile.gettempdir(), "trl_gspo_bench"))
     parser.add_argument("--out", help="write every run's per-step figures here (JSON)")
     parser.add_argument("--summarize", nargs="+", metavar="RUNS_JSON",
@@ -258,15 +278,16 @@ def main():
         return
     seeds, steps, stalenesses = ((1, 30, [0, 4]) if options.quick else
                                  (options.seeds, options.steps, [int(k) for k in options.staleness.split(",")]))
-    sys.path.insert(0, str(Path(__file__).parent))
     import _setup
     import torch
     from sampler_likelihoods import build_cold_started
 
     _setup.header("async_staleness", "cpu", torch.float32, "trainer float32")
-    model_dir = build_cold_started(Path(options.cache) / f"sampler_likelihoods_model_sft{options.sft_steps}",
-                                   options.sft_steps)
-    specs = [dict(loss=loss, staleness=k, dtype=dtype, seed=seed, steps=steps, model_dir=str(model_dir), lr=options.lr)
+    suffix = "" if options.sft_correct_fraction == 0.5 else f"_correct{options.sft_correct_fraction:g}"
+    model_dir = build_cold_started(Path(options.cache) / f"sampler_likelihoods_model_sft{options.sft_steps}{suffix}",
+                                   options.sft_steps, options.sft_correct_fraction)
+    specs = [dict(loss=loss, staleness=k, dtype=dtype, seed=seed, steps=steps, model_dir=str(model_dir), lr=options.lr,
+                  sft_correct_fraction=options.sft_correct_fraction)
              for loss in options.losses.split(",") for dtype in options.dtypes.split(",") for k in stalenesses
              for seed in range(options.first_seed, options.first_seed + seeds)]
 
@@ -294,15 +315,6 @@ def main():
     with ThreadPoolExecutor(options.jobs) as pool:
         runs = list(pool.map(launch, specs))
     print_table(runs, f"{steps} steps")
-
-
-def difference_in_se(a: list[float], b: list[float]) -> float:
-    """(mean a - mean b) in standard errors of the difference, sqrt(sd_a^2 / n_a + sd_b^2 / n_b); NaN with fewer than
-    two values on a side or no spread at all."""
-    if len(a) < 2 or len(b) < 2:
-        return float("nan")
-    error = (statistics.stdev(a) ** 2 / len(a) + statistics.stdev(b) ** 2 / len(b)) ** 0.5
-    return (statistics.fmean(a) - statistics.fmean(b)) / error if error > 0 else float("nan")
 
 
 def print_table(runs, what, versus="grpo"):
@@ -380,75 +392,50 @@ def print_markdown(runs, versus="grpo"):
               + " | ".join(share(loss, dtype, k, "capped").replace("nan", "-") for k in stalenesses) + " |")
 
 
-FIXED_BANDS = ("gspo", "gspo_wide", "gspo_wide100")  # the paper's band, 10x and 100x wider
-BAND_NAMES = {"gspo": "paper's band", "gspo_wide": "10x band", "gspo_wide100": "100x band",
-              "gspo_adaptive": "adaptive", "grpo": "TRL token loss"}
+# The band table's arms (benchmarks/_band_table.py) by this benchmark's loss names.
+BAND_ARMS = {"gspo": "paper", "gspo_wide": "10x", "gspo_wide100": "100x", "gspo_adaptive": "adaptive", "grpo": "trl"}
 
 
-def print_band_table(runs, adaptive="gspo_adaptive", versus="grpo"):
-    """One markdown table per learning rate and sampler: per staleness k, the last-window reward of each fixed band,
-    the adaptive band and TRL's token loss (mean +- standard error over seeds, seeds in brackets), then the adaptive
-    band against the best fixed band of that cell and against TRL's token loss, in standard errors of the difference
-    (sqrt(se_a^2 + se_b^2)), and the adaptive band's clipped-token share (mean over the run; after the first 20% of
-    steps in brackets).
+def print_band_table(runs):
+    """One markdown table per task, learning rate and sampler (benchmarks/_band_table.py): per staleness k, the
+    last-window reward of each fixed band, the band set by the run and TRL's token loss (mean ± standard error over
+    seeds, seeds in brackets), the band set by the run against the best fixed band, the paper's band and TRL's token
+    loss in standard errors of the difference, its clipped share of learnable tokens after each run's first 20% of
+    steps (against its 0.15 target), and the share of groups whose completions all got the same reward; then the
+    goals, counted over the cells.
 
     A fixed band with no runs in a cell where the paper's band never met a sequence ratio further than 1e-5 from 1
     (`max|log s|` < 1e-5 at every step of every seed: a float32 sampler at k = 0, where the sampler's and the
-    trainer's log-probs differ by rounding only) clips nothing, since every band here is at least the paper's 3e-4
-    wide, so it trains the paper's band's runs bit for bit; the cell shows those runs, marked `=`. The adaptive band
-    is the same there: it leaves out steps whose ratios all lie within `clip_band_min` (1e-5) of 1, so it keeps its
-    starting band, the paper's."""
-    from trl_gspo.config import CLIP_BAND_FIELDS
+    trainer's log-probs differ by rounding only) clips nothing, since every fixed band here is at least the paper's
+    3e-4 wide, so it trains the paper's band's runs bit for bit; the cell shows those runs, marked `=`."""
+    import _band_table
 
-    floor = CLIP_BAND_FIELDS["clip_band_min"]["default"]  # 1e-5: below it the adaptive band leaves a step out
+    moved_by = 1e-5
     cells = {}
     for spec, run in runs:
-        cells.setdefault((spec.get("lr", 5e-4), spec["dtype"], spec["staleness"], spec["loss"]), []).append(run)
-
-    def never_moved(key):
-        return key in cells and all(step["log_ratio_abs_max"] < floor for run in cells[key] for step in run["steps"])
-
-    def rewards(key):
-        return [summarize(run)["reward_last"] for run in cells[key]]
-
-    for lr in sorted({key[0] for key in cells}, reverse=True):
-        for dtype in sorted({key[1] for key in cells if key[0] == lr}, key=lambda d: d != "float32"):
-            stalenesses = sorted({key[2] for key in cells if key[:2] == (lr, dtype)})
-            arms = [arm for arm in (*FIXED_BANDS, adaptive, versus) if any((lr, dtype, k, arm) in cells
-                                                                            for k in stalenesses)]
-            print(f"\nlearning rate {lr:g}, {dtype} sampler\n")
-            print("| k | " + " | ".join(BAND_NAMES.get(arm, arm) for arm in arms)
-                  + " | adaptive - best fixed | adaptive - TRL token | adaptive clipped |")
-            print("|---" * (len(arms) + 4) + "|")
-            for k in stalenesses:
-                row, figures, sources = [], {}, {}
-                for arm in arms:
-                    key, mark = (lr, dtype, k, arm), ""
-                    if key not in cells and arm in (*FIXED_BANDS, adaptive) and never_moved((lr, dtype, k, "gspo")):
-                        key, mark = (lr, dtype, k, "gspo"), "= "
-                    if key not in cells:
-                        row.append("-")
-                        continue
-                    figures[arm], sources[arm] = rewards(key), key
-                    values = figures[arm]
-                    se = statistics.stdev(values) / len(values) ** 0.5 if len(values) > 1 else float("nan")
-                    row.append(f"{mark}{statistics.fmean(values):.3f} ± {se:.3f} ({len(values)})")
-                means = {arm: statistics.fmean(values) for arm, values in figures.items()}
-                fixed = [arm for arm in FIXED_BANDS if arm in figures]
-                best = max(fixed, key=means.get) if fixed else None
-                against_best = (f"{means[adaptive] - means[best]:+.3f} "
-                                f"({difference_in_se(figures[adaptive], figures[best]):+.1f} SE, vs {BAND_NAMES[best]})"
-                                if best and adaptive in figures else "-")
-                against_trl = (f"{means[adaptive] - means[versus]:+.3f} "
-                               f"({difference_in_se(figures[adaptive], figures[versus]):+.1f} SE)"
-                               if adaptive in figures and versus in figures else "-")
-                clipped = "-"
-                if adaptive in sources:  # its own runs, or the paper's band's where those are the same runs
-                    own = cells[sources[adaptive]]
-                    settled = [step["clipped_tok"] for run in own for step in run["steps"][len(run["steps"]) // 5:]]
-                    clipped = (f"{statistics.fmean(summarize(run)['clipped_tok'] for run in own):.3f} "
-                               f"({statistics.fmean(settled):.3f})")
-                print(f"| {k} | " + " | ".join(row) + f" | {against_best} | {against_trl} | {clipped} |")
+        if spec["loss"] in BAND_ARMS:
+            key = (spec.get("sft_correct_fraction", 0.5), spec.get("lr", 5e-4), spec["dtype"], spec["staleness"])
+            cells.setdefault(key, {}).setdefault(BAND_ARMS[spec["loss"]], []).append(run)
+    goals = _band_table.Goals()
+    for task, lr, dtype in sorted({key[:3] for key in cells}, key=lambda c: (-c[0], -c[1], c[2] != "float32")):
+        name = "the quickstart's task" if task == 0.5 else f"the harder task (cold start {task:g} correct)"
+        print(f"\n{name}, learning rate {lr:g}, {dtype} sampler\n")
+        print(_band_table.header("k"))
+        for k in sorted(key[3] for key in cells if key[:3] == (task, lr, dtype)):
+            arms = dict(cells[task, lr, dtype, k])
+            marks = {}
+            paper = arms.get("paper", [])
+            if paper and all(step["log_ratio_abs_max"] < moved_by for run in paper for step in run["steps"]):
+                for arm in ("10x", "100x"):
+                    if arm not in arms:
+                        arms[arm], marks[arm] = paper, "= "
+            rewards = {arm: [summarize(run)["reward_last"] for run in group] for arm, group in arms.items()}
+            shares = [share for run in arms.get("adaptive", [])
+                      for share in _band_table.settled([step.get("band_share", float("nan")) for step in run["steps"]])]
+            equal = [step["equal_groups"] for group in arms.values() for run in group for step in run["steps"]
+                     if "equal_groups" in step]
+            print(_band_table.row(str(k), rewards, shares, equal, goals, marks))
+    print("\n" + goals.report())
 
 
 if __name__ == "__main__":

@@ -43,8 +43,9 @@ SAMPLERS = {"vllm-bf16": dict(use_vllm=True, vllm_dtype="bfloat16"),
             "hf": dict(use_vllm=False)}
 
 
-def build_cold_started(path: Path, sft_steps: int = 600) -> Path:
-    """The quickstart's model and cold start, head_dim 32, saved with its tokenizer (skipped when already there)."""
+def build_cold_started(path: Path, sft_steps: int = 600, correct_fraction: float = 0.5) -> Path:
+    """The quickstart's model and cold start, head_dim 32, saved with its tokenizer (skipped when already there);
+    `correct_fraction`: the share of correct answers in the cold start's data (the quickstart's 0.5)."""
     if (path / "config.json").exists():
         return path
     from trl_gspo.quickstart.addition import make_sft_dataset
@@ -56,7 +57,8 @@ def build_cold_started(path: Path, sft_steps: int = 600) -> Path:
     model = build_model(tokenizer, config_overrides={"head_dim": 32}, seed=0)
     with tempfile.TemporaryDirectory() as scratch:
         model = sft_cold_start(model, tokenizer, scratch, max_steps=sft_steps, seed=0,
-                               dataset=make_sft_dataset(sft_steps * 64, seed=10_000, correct_fraction=0.5))
+                               dataset=make_sft_dataset(sft_steps * 64, seed=10_000,
+                                                                correct_fraction=correct_fraction))
     staging = path.with_name(path.name + ".partial")
     model.save_pretrained(staging)
     tokenizer.save_pretrained(staging)

@@ -245,8 +245,8 @@ class CheckpointMixin:
             if restored is not None:
                 self._step, self._buffered_inputs = restored  # TRL's micro-step counter and rollout mini-batches
             band = getattr(self, "_adaptive_band", None)
-            if band is not None and band.load(checkpoint):  # clip_band="adaptive": the band the run had
-                self.epsilon_low, self.epsilon_high = band.band
+            if band is not None:  # clip_band="adaptive": the band the run had, or one line naming the band it takes
+                self.epsilon_low, self.epsilon_high = band.resume(checkpoint, self.accelerator.is_main_process)
         return super().train(checkpoint, *args, **kwargs)
 
     def _save_rng_state(self, output_dir: str) -> None:

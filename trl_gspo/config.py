@@ -74,23 +74,21 @@ PAPER_MINI_BATCHES_PER_ROLLOUT = 4
 
 
 # The adaptive clip band's options, shared by GSPOConfig and AsyncGSPOConfig (trl_gspo/trainer/clip_band.py).
+CLIP_BAND_HELP = (
+    "GSPO's clip band. 'fixed': epsilon / epsilon_high throughout (unset: the paper's 3e-4 / 4e-4). 'adaptive' "
+    "(opt-in): starts there and moves after every optimizer step toward clipping clip_band_target of the tokens that "
+    "can be clipped (non-zero advantage), within [clip_band_min, clip_band_max] and above the sampler's measured "
+    "noise (docs/gspo.md#a-clip-band-set-by-the-run). TRL's loss types: 'fixed', the only value they take.")
 CLIP_BAND_FIELDS = {
-    "clip_band": dict(default=None, metadata={
-        "help": "GSPO's clip band. 'adaptive' (unset, gspo types, epsilon and epsilon_high unset): starts at the "
-        "paper's 3e-4 / 4e-4 (or epsilon / epsilon_high) and moves after "
-        "every optimizer step toward clipping clip_band_target of the completion tokens (the paper's operating point), "
-        "within [clip_band_min, clip_band_max], whatever one step moves a sequence "
-        "(docs/gspo.md#a-clip-band-set-by-the-run). 'fixed': epsilon / epsilon_high throughout (unset: the paper's "
-        "3e-4 / 4e-4); unset with epsilon or epsilon_high set, the band given is kept. TRL's loss types: 'fixed', the "
-        "only value they take."}),
+    "clip_band": dict(default="fixed", metadata={"help": CLIP_BAND_HELP}),
     "clip_band_target": dict(default=0.15, metadata={
-        "help": "With clip_band='adaptive': the share of completion tokens the band aims to clip (the GSPO paper "
-        "reports ~15% clipped with its band on Qwen3-30B-A3B)."}),
+        "help": "With clip_band='adaptive': the share of tokens with a non-zero advantage the band aims to clip (the "
+        "GSPO paper reports ~15% of tokens clipped with its band on Qwen3-30B-A3B)."}),
     "clip_band_min": dict(default=1e-5, metadata={
         "help": "With clip_band='adaptive': the narrowest epsilon the band may reach."}),
     "clip_band_max": dict(default=0.2, metadata={
         "help": "With clip_band='adaptive': the widest epsilon the band may reach (TRL's token-level band): a "
-        "diverging policy still meets a trust region."}),
+        "diverging policy still meets a trust region. A two-sided cap `delta` must lie above the widest band."}),
 }
 
 
@@ -101,9 +99,8 @@ class GSPOConfig(GRPOConfig):
     For `loss_type="gspo"` or `"gspo_token"`, fields left unset take the GSPO paper's values (arXiv 2507.18071,
     Section 5.1): `epsilon=3e-4`, `epsilon_high=4e-4`, `beta=0.0`, and `steps_per_generation =
     4 * gradient_accumulation_steps` (each rollout batch is split into 4 mini-batches, so 3 of every 4 updates are
-    off-policy). With `epsilon` and `epsilon_high` unset the band starts there and the run sets it
-    (`clip_band="adaptive"`); `clip_band="fixed"` keeps the paper's. A value you set explicitly is always kept. For
-    TRL's own loss types the defaults are TRL's.
+    off-policy). The band stays fixed (`clip_band="fixed"`, the paper's objective); `clip_band="adaptive"` lets the
+    run set it. A value you set explicitly is always kept. For TRL's own loss types the defaults are TRL's.
 
     Parameters:
         loss_type (`str`, defaults to `"gspo"`):
@@ -135,14 +132,12 @@ class GSPOConfig(GRPOConfig):
         exact_lora_merge (`bool`, defaults to `True`):
             With LoRA and vLLM: weight syncs send `W + delta` built out of place, one parameter at a time, so the
             frozen base stays bit for bit unchanged (TRL's in-place merge and unmerge drift it in bf16).
-        clip_band (`str`, *optional*):
-            Unset: `"adaptive"` for gspo types with `epsilon` / `epsilon_high` unset, else `"fixed"`.
-            `"adaptive"`: the band starts at `epsilon` / `epsilon_high` (the paper's) and moves after every optimizer
-            step toward clipping `clip_band_target` (0.15) of the completion tokens, within
-            `[clip_band_min, clip_band_max]` (1e-5, 0.2), the same on every rank and saved with checkpoints.
-            `"fixed"`: the paper's band (or `epsilon` / `epsilon_high` as set) throughout. Measured: the adaptive
-            band trained as well as the paper's where the paper's clipped its share, and better where it clipped
-            more (docs/gspo.md#a-clip-band-set-by-the-run).
+        clip_band (`str`, defaults to `"fixed"`):
+            `"fixed"`: the paper's band (or `epsilon` / `epsilon_high` as set) throughout. `"adaptive"` (opt-in): the
+            band starts at `epsilon` / `epsilon_high` and moves after every optimizer step toward clipping
+            `clip_band_target` (0.15) of the tokens with a non-zero advantage, within `[clip_band_min,
+            clip_band_max]` (1e-5, 0.2) and above the sampler's measured noise, the same on every rank and saved with
+            checkpoints (docs/gspo.md#a-clip-band-set-by-the-run).
     """
 
     loss_type: str = field(
@@ -268,7 +263,6 @@ class GSPOConfig(GRPOConfig):
         is_gspo = self.loss_type in GSPO_LOSS_TYPES
         mini_batches = (PAPER_MINI_BATCHES_PER_ROLLOUT * self.gradient_accumulation_steps
                         if is_gspo and self.generation_batch_size is None else None)
-        fill_presets(self, {"clip_band": default_clip_band(self)})  # before epsilon's preset; not the paper's value
         # Before TRL's __post_init__: it derives generation_batch_size from steps_per_generation, filled here.
         filled = fill_presets(self, {
             "epsilon": PAPER_EPSILON_LOW if is_gspo else 0.2, "epsilon_high": PAPER_EPSILON_HIGH if is_gspo else None,
@@ -367,15 +361,6 @@ def did_you_mean(value, choices) -> str:
 
 def _error(option: str, problem: str, fix: str) -> ValueError:
     return ValueError(f"`{option}`: {problem} Fix: {fix}")
-
-
-def default_clip_band(args) -> str:
-    """The band an unset `clip_band` takes, read before the presets fill `epsilon`: "adaptive" for gspo types whose
-    `epsilon` and `epsilon_high` are both unset (measured against the paper's fixed band, synchronous and asynchronous,
-    at two learning rates: docs/gspo.md#a-clip-band-set-by-the-run); "fixed" when either is set (the band given is
-    the band used) and for TRL's loss types, whose epsilon means what TRL says."""
-    band_given = args.epsilon is not None or args.epsilon_high is not None
-    return "adaptive" if args.loss_type in GSPO_LOSS_TYPES and not band_given else "fixed"
 
 
 def fill_presets(args, presets: dict) -> dict:
@@ -477,9 +462,9 @@ CLIP_BANDS = ("fixed", "adaptive")
 
 
 def check_adaptive_band(args) -> None:
-    """`clip_band` and, when adaptive, its target and bounds: `0 < clip_band_min <= epsilon <= clip_band_max < 1`.
-    Shared by `GSPOConfig` and `AsyncGSPOConfig`; called for every loss type, since TRL's types take no adaptive band
-    (it would be ignored)."""
+    """`clip_band` and, when adaptive, its target and bounds (`0 < clip_band_min <= epsilon <= clip_band_max < 1`), a
+    `delta` above the widest band the rule can reach, and a ratio that can move. Shared by `GSPOConfig` and
+    `AsyncGSPOConfig`; called for every loss type, since TRL's types take no adaptive band (it would be ignored)."""
     band = getattr(args, "clip_band", None) or "fixed"
     if band not in CLIP_BANDS:
         raise _error("clip_band", f"unknown value {band!r}{did_you_mean(band, CLIP_BANDS)}.", "use 'fixed' or 'adaptive'.")
@@ -487,7 +472,12 @@ def check_adaptive_band(args) -> None:
         return
     if args.loss_type not in GSPO_LOSS_TYPES:
         raise _error("clip_band", f"'adaptive' moves GSPO's sequence band; loss_type={args.loss_type!r} would ignore it.",
-                     "use loss_type='gspo' or 'gspo_token', or leave clip_band unset ('fixed' for TRL's loss types).")
+                     "use loss_type='gspo' or 'gspo_token', or leave clip_band='fixed' (TRL's loss types).")
+    if getattr(args, "staleness_correction", "none") != "none":
+        raise _error("clip_band", f"'adaptive' reads how far the policy moved since pi_old, but with "
+                     f"staleness_correction={args.staleness_correction!r} the band bounds the ratio against the weights "
+                     "that train the sample, which is 1 by construction: nothing would move it.",
+                     "leave clip_band='fixed' with the decoupled objective, or staleness_correction='none'.")
     if not 0 < args.clip_band_target < 1:
         raise _error("clip_band_target", f"must lie in (0, 1), got {args.clip_band_target}.",
                      "use the default 0.15 (the paper's clipped share).")
@@ -495,6 +485,14 @@ def check_adaptive_band(args) -> None:
         raise _error("clip_band_min", f"the adaptive band needs 0 < clip_band_min <= epsilon <= clip_band_max < 1, got "
                      f"{args.clip_band_min} <= {args.epsilon} <= {args.clip_band_max}.",
                      "keep epsilon inside [clip_band_min, clip_band_max] (defaults 1e-5 and 0.2).")
+    delta = getattr(args, "delta", None)
+    ratio = (args.epsilon if args.epsilon_high is None else args.epsilon_high) / args.epsilon
+    widest_high = args.clip_band_max * ratio
+    if delta is not None and not delta > 1.0 + widest_high:
+        raise _error("delta", f"{delta} caps the sequence ratio, and must lie above the widest band the adaptive rule "
+                     f"can reach: 1 + clip_band_max * epsilon_high / epsilon = {1.0 + widest_high:g}.",
+                     f"set delta above {1.0 + widest_high:g}, or lower clip_band_max below "
+                     f"{(delta - 1.0) / ratio:g}." if delta > 1.0 else f"set delta above {1.0 + widest_high:g}.")
 
 
 def _check_sampler_can_route(args) -> None:
@@ -542,6 +540,22 @@ def warn_about_setup(args) -> None:
         )
 
 
+PAPER_BAND_NOTE = ": the GSPO paper's band"
+
+
+def band_description(args) -> str:
+    """The clip band a gspo run trains with, in words, for the startup lines of both trainers."""
+    high = args.epsilon if args.epsilon_high is None else args.epsilon_high
+    edges = f"[{1 - args.epsilon:g}, {1 + high:g}]"
+    paper = (args.epsilon, high) == (PAPER_EPSILON_LOW, PAPER_EPSILON_HIGH)
+    if getattr(args, "clip_band", None) == "adaptive":
+        return (f"one ratio per sequence, clipped to a band set by the run (clip_band='adaptive'): from {edges}, "
+                f"moved after every optimizer step toward {args.clip_band_target:g} of the tokens with a non-zero "
+                f"advantage clipped, within epsilon [{args.clip_band_min:g}, {args.clip_band_max:g}] and above the "
+                "sampler's measured noise")
+    return f"one ratio per sequence, clipped to {edges} (clip_band='fixed'{PAPER_BAND_NOTE if paper else ''})"
+
+
 def setup_summary(args, num_processes: int) -> str:
     """What a run's options resolve to, in one line: the rollout batch, its mini-batches and optimizer steps, the clip
     band and its level, and (for a `GSPOConfig`) the GSPO paper's values it filled in for fields left unset. A GRPO
@@ -551,12 +565,8 @@ def setup_summary(args, num_processes: int) -> str:
     # a fraction when a rollout batch is smaller than one optimizer step's micro-batches (e.g. "1/2")
     steps_per_rollout = Fraction(args.steps_per_generation * args.num_iterations, args.gradient_accumulation_steps)
     high = args.epsilon if args.epsilon_high is None else args.epsilon_high
-    if args.loss_type in GSPO_LOSS_TYPES and getattr(args, "clip_band", None) == "adaptive":
-        band = (f"one ratio per sequence, clipped to a band set by the run (clip_band='adaptive'): from "
-                f"[{1 - args.epsilon:g}, {1 + high:g}], moved after every optimizer step toward "
-                f"{args.clip_band_target:g} of the tokens clipped (clip_band='fixed' keeps it)")
-    elif args.loss_type in GSPO_LOSS_TYPES:
-        band = f"one ratio per sequence, clipped to [{1 - args.epsilon:g}, {1 + high:g}]"
+    if args.loss_type in GSPO_LOSS_TYPES:
+        band = band_description(args)
     else:  # TRL's own types use epsilon each in its way (clip, soft gate, weight cap)
         band = f"{args.importance_sampling_level}-level ratios, epsilon={args.epsilon:g}, epsilon_high={high:g}"
     text = (f"loss_type={args.loss_type!r}: each rollout batch is {args.generation_batch_size} completions ({prompts} "

@@ -11,6 +11,7 @@ band (3e-4) is far below bf16 resolution (7.8e-3 near 1.0).
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -500,23 +501,22 @@ def entropy_window_stats(window: torch.Tensor | None, entropies: torch.Tensor, m
 
 
 def adaptive_clip_epsilon(epsilon: float, clipped_fraction: float, target: float, epsilon_min: float,
-                          epsilon_max: float, gain: float = 1.0, max_step: float = 2.0) -> float:
+                          epsilon_max: float, gain: float = 0.15, max_step: float = 2.0) -> float:
     """Next lower clip range of the adaptive GSPO band (`clip_band="adaptive"`), after an optimizer step whose share
-    of clipped completion tokens over all ranks was ``clipped_fraction`` (Eq. 5's clip applied to ``s_i``, counted
-    per token as the paper's Figure 4 counts it):
+    of clipped tokens among the tokens that could be clipped was ``clipped_fraction`` (Eq. 5's clip applied to
+    ``s_i``; only tokens with a non-zero advantage count, since a zero advantage is never clipped):
 
-        ``epsilon' = clamp(epsilon * clamp(((c + m) / (target + m)) ** gain, 1 / max_step, max_step),
-                           epsilon_min, epsilon_max)``,  ``m = 0.01``
+        ``epsilon' = clamp(epsilon * exp(clamp(gain * (c - target) / target, -log max_step, log max_step)),
+                           epsilon_min, epsilon_max)``
 
-    A multiplicative controller on the clipped share: more clipped than ``target`` widens the band, less narrows it,
-    by at most ``max_step`` per step, and the band never leaves ``[epsilon_min, epsilon_max]``. Its fixed point clips
-    ``target`` of the tokens whatever one step moves a sequence's log-ratio, so the band follows the run's own
-    movement, not its scale. The upper range keeps its ratio to the lower one (the caller scales it). ``m`` keeps a
-    step that clipped nothing from collapsing the band at once."""
-    margin = 0.01
-    factor = ((clipped_fraction + margin) / (target + margin)) ** gain
-    factor = min(max(factor, 1.0 / max_step), max_step)
-    return min(max(epsilon * factor, epsilon_min), epsilon_max)
+    A controller on the clipped share whose step in ``log epsilon`` is linear in the share: more clipped than
+    ``target`` widens the band, less narrows it, by at most ``max_step`` per step, and the band never leaves
+    ``[epsilon_min, epsilon_max]``. Linear in ``c``, its fixed point is a mean share equal to ``target`` on a noisy
+    stream too (a step in ``log c`` would settle where the mean of ``log c`` is ``log target``, above it). The upper
+    range keeps its ratio to the lower one (the caller scales it)."""
+    step = gain * (clipped_fraction - target) / target
+    step = min(max(step, -math.log(max_step)), math.log(max_step))
+    return min(max(epsilon * math.exp(step), epsilon_min), epsilon_max)
 
 
 def k3_kl(logps: torch.Tensor, ref_logps: torch.Tensor) -> torch.Tensor:

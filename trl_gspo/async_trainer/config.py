@@ -8,14 +8,28 @@ from dataclasses import dataclass, field
 
 from trl.experimental.async_grpo import AsyncGRPOConfig
 
-from ..config import (CLIP_BAND_FIELDS, GSPO_LOSS_TYPES, PAPER_EPSILON_HIGH, PAPER_EPSILON_LOW, _check_types,
-                      check_adaptive_band, check_clip_band, default_clip_band, did_you_mean, fill_presets,
+from ..config import (CLIP_BAND_FIELDS, CLIP_BAND_HELP, GSPO_LOSS_TYPES, PAPER_EPSILON_HIGH, PAPER_EPSILON_LOW, _check_types,
+                      check_adaptive_band, check_clip_band, did_you_mean, fill_presets,
                       parent_errors_as_ours)
 
 # "grpo": TRL's asynchronous loss as it ships (token-level clipped ratio, mean over the micro-batch's tokens).
 ASYNC_LOSS_TYPES = (*GSPO_LOSS_TYPES, "grpo")
 # "none": pi_old is the sampler's log-probs (the paper's objective as written); the others: the decoupled objective.
 STALENESS_CORRECTIONS = ("none", "truncate", "mask")
+# The band an unset `clip_band` takes for gspo types with the band unset and the paper's objective
+# (staleness_correction="none"): chosen from the asynchronous band table, docs/gspo.md#a-clip-band-set-by-the-run.
+ASYNC_DEFAULT_CLIP_BAND = "adaptive"
+
+
+def default_clip_band(args) -> str:
+    """The band an unset `clip_band` takes, read before the presets fill `epsilon`: `ASYNC_DEFAULT_CLIP_BAND` for gspo
+    types whose `epsilon` and `epsilon_high` are both unset and whose ratio is against the sampler
+    (`staleness_correction="none"`); "fixed" when a band is given (the band given is the band used), with the
+    decoupled objective (its ratio is 1 by construction) and for TRL's "grpo"."""
+    band_given = args.epsilon is not None or args.epsilon_high is not None
+    paper_objective = getattr(args, "staleness_correction", "none") == "none"
+    return (ASYNC_DEFAULT_CLIP_BAND if args.loss_type in GSPO_LOSS_TYPES and not band_given and paper_objective
+            else "fixed")
 
 
 @dataclass
@@ -80,7 +94,9 @@ class AsyncGSPOConfig(AsyncGRPOConfig):
                           "every sync (docs/lora.md)."},
     )
 
-    clip_band: str | None = field(**CLIP_BAND_FIELDS["clip_band"])
+    clip_band: str | None = field(default=None, metadata={"help": CLIP_BAND_HELP + (
+        f" Unset: '{ASYNC_DEFAULT_CLIP_BAND}' for gspo types with epsilon / epsilon_high unset and "
+        "staleness_correction='none' (measured: docs/gspo.md#a-clip-band-set-by-the-run), else 'fixed'.")})
     clip_band_target: float = field(**CLIP_BAND_FIELDS["clip_band_target"])
     clip_band_min: float = field(**CLIP_BAND_FIELDS["clip_band_min"])
     clip_band_max: float = field(**CLIP_BAND_FIELDS["clip_band_max"])

@@ -31,6 +31,7 @@ from dataclasses import dataclass
 import torch
 from accelerate.utils import broadcast_object_list
 from torch.utils.data import DataLoader
+from transformers.utils import logging
 from trl.experimental.async_grpo import AsyncGRPOTrainer
 from trl.experimental.async_grpo.async_grpo_trainer import (
     AsyncRolloutWorker,
@@ -43,14 +44,16 @@ from trl.experimental.async_grpo.async_grpo_trainer import (
 from trl.trainer.utils import pad
 
 from .. import metrics as gspo_metrics
-from ..config import GSPO_LOSS_TYPES, default_output_dir
+from ..config import GSPO_LOSS_TYPES, band_description, default_output_dir
 from ..lora_merge import exact_sync_stream, merge_calls_skipped
 from ..losses import gspo_packed_loss, nonfinite_counts, unpack_segments
 from ..routing.replay import RoutingReplay
-from ..trainer.clip_band import AdaptiveClipBand
+from ..trainer.clip_band import AdaptiveClipBand, ClipBandStep, band_columns, band_stats
 from ..trainer.lora import exact_sync_model
 from .config import AsyncGSPOConfig
 from .routing import RoutedRolloutLoop, packed_routes
+
+logger = logging.get_logger(__name__)
 
 
 # The count each logged mean is taken over (the rest are extremes, spreads or per-rank gauges).
@@ -124,6 +127,24 @@ class _VersionedRolloutCollator(DataCollatorForRollout):
         return batch
 
 
+def async_setup_summary(args) -> str:
+    """What an `AsyncGSPOConfig` resolves to, in one line: the loss, its clip band, what pi_old is, the staleness bound,
+    and the values the config filled in for fields left unset."""
+    if args.loss_type in GSPO_LOSS_TYPES:
+        objective = ("pi_old is the sampler's log-probs" if args.staleness_correction == "none" else
+                     f"the decoupled objective (staleness_correction={args.staleness_correction!r})")
+        loss = f"{band_description(args)}; {objective}"
+    else:
+        high = args.epsilon if args.epsilon_high is None else args.epsilon_high
+        loss = f"TRL's token-level loss, epsilon={args.epsilon:g}, epsilon_high={high:g}"
+    text = (f"AsyncGSPOTrainer, loss_type={args.loss_type!r}: {loss}; samples up to max_staleness={args.max_staleness} "
+            "weight versions old.")
+    if args.presets:
+        text += " AsyncGSPOConfig filled in for fields left unset: " + ", ".join(
+            f"{name}={value!r}" for name, value in args.presets.items()) + "."
+    return text
+
+
 class AsyncGSPOTrainer(AsyncGRPOTrainer):
     """`AsyncGRPOTrainer` with `loss_type` "gspo" / "gspo_token" (`AsyncGSPOConfig`); same arguments as TRL's.
 
@@ -149,6 +170,13 @@ class AsyncGSPOTrainer(AsyncGRPOTrainer):
         self._exact_lora = exact_sync_model(self)  # LoRA synced as W + delta out of place (trainer/lora.py), or None
         self._adaptive_band = (AdaptiveClipBand.build(args, self.epsilon_low, self.epsilon_high)
                                if self.loss_type in GSPO_LOSS_TYPES else None)  # clip_band="adaptive", or None
+        # The optimizer step at which the server last received these weights: until the next step, a sample of the
+        # policy's own version was sampled by these weights, and its ratio measures the sampler's noise (clip_band.py).
+        self._synced_at_step = None
+        if self._adaptive_band is not None:
+            self.add_callback(ClipBandStep(self))
+        if self.accelerator.is_main_process:  # the band it trains with; a warning when presets changed TRL's
+            (logger.warning if args.presets else logger.info)(async_setup_summary(args))
         self._routing = None
         if args.routing_replay == "sampler":
             self._routing = RoutingReplay(self.accelerator.unwrap_model(self.model))  # refuses a dense model
@@ -162,8 +190,8 @@ class AsyncGSPOTrainer(AsyncGRPOTrainer):
 
     def _load_rng_state(self, checkpoint):
         super()._load_rng_state(checkpoint)
-        if self._adaptive_band is not None and checkpoint is not None and self._adaptive_band.load(checkpoint):
-            self.epsilon_low, self.epsilon_high = self._adaptive_band.band
+        if self._adaptive_band is not None and checkpoint is not None:  # the band the run had, or one line naming it
+            self.epsilon_low, self.epsilon_high = self._adaptive_band.resume(checkpoint, self.accelerator.is_main_process)
 
     def get_train_dataloader(self) -> DataLoader:
         """TRL's pipeline (queue reader -> planner -> packer) with a reader and a packer that keep each sample's weight
@@ -196,6 +224,7 @@ class AsyncGSPOTrainer(AsyncGRPOTrainer):
         only), to age the samples it trains on."""
         super()._sync_weight()
         self._policy_version = broadcast_object_list([self.model_version], from_process=0)[0]
+        self._synced_at_step = self.state.global_step
 
     def _sync_weight_merged(self, t0):
         """TRL's merged weight sync. With LoRA (`exact_lora_merge`) TRL's in-place merge and unmerge are skipped and
@@ -288,12 +317,17 @@ class AsyncGSPOTrainer(AsyncGRPOTrainer):
             loss = loss + self.router_aux_loss_coef * aux_loss / self.current_gradient_accumulation_steps
 
         entropy_rows, mask = unpack_segments(segment_id, entropies.detach(), num_segments=ages.numel())
+        columns = None
+        if self._adaptive_band is not None:  # clip_band="adaptive": its per-sequence signal (trainer/clip_band.py)
+            on_sampling_weights = (ages == 0) & (self._synced_at_step == self.state.global_step)
+            advantage_rows = unpack_segments(segment_id, advantages.float(), num_segments=ages.numel())[0]
+            columns = band_columns(out, mask, advantage_rows, on_sampling_weights)
         read = self._log_gspo_metrics(out, mask, entropy_rows, policy_loss, ages,
-                                      aux_loss.detach() if self.aux_loss_enabled else None, nonfinite)
-        if self._adaptive_band is not None:  # clip_band="adaptive": the next step's band (trl_gspo/trainer/clip_band.py)
-            band = self._adaptive_band.after_micro_batch(read, self.accelerator.sync_gradients, self._metrics["train"])
-            if band is not None:
-                self.epsilon_low, self.epsilon_high = band
+                                      aux_loss.detach() if self.aux_loss_enabled else None, nonfinite, columns)
+        if self._adaptive_band is not None:  # the band this micro-batch trained with; it moves at the step's end
+            self._adaptive_band.observe(read.row_stats[-4:])
+            for name, value in self._adaptive_band.in_use().items():
+                self._metrics["train"][name].append(value)
         self._count_step_tokens(inputs)
         return loss
 
@@ -323,7 +357,7 @@ class AsyncGSPOTrainer(AsyncGRPOTrainer):
         self._step_samples += forwarded / mean_length
         self._step_forward_s += self._last_forward_time_s
 
-    def _log_gspo_metrics(self, out, mask, entropies, policy_loss, ages, aux_loss, nonfinite):
+    def _log_gspo_metrics(self, out, mask, entropies, policy_loss, ages, aux_loss, nonfinite, band_columns=None):
         """`GSPOTrainer`'s `gspo/*`, `clip_ratio/*`, `entropy`, `policy_loss` (trl_gspo/metrics.py), over every rank,
         and per sample age the clipped completions as a (clipped, count) rate; with the decoupled objective, the
         sequence weights (mean, max, capped fraction) overall and per age. One reduce, one gather, one host read; the
@@ -334,14 +368,25 @@ class AsyncGSPOTrainer(AsyncGRPOTrainer):
         by_age = torch.stack([torch.zeros(buckets, device=clipped.device).index_add_(0, age, clipped),
                               torch.bincount(age, minlength=buckets).float()])
         weighted = out.behaviour_weight is not None
-        columns = None
+        columns = []
         if weighted:  # per-sequence columns 5-8 of the gathered rows
-            columns = torch.stack([age.float(), out.behaviour_weight.float(), out.weight_capped.float(),
-                                   out.behaviour_log_weight.float().abs()], 1)
+            columns.append(torch.stack([age.float(), out.behaviour_weight.float(), out.weight_capped.float(),
+                                        out.behaviour_log_weight.float().abs()], 1))
+        if band_columns is not None:  # the adaptive band's, after them; its 4 statistics come last in `row_stats`
+            columns.append(band_columns)
+        band_first = 5 + 4 * weighted
+
+        def row_stats(rows, present):
+            stats = [self._weight_stats(rows, present, buckets)] if weighted else []
+            if band_columns is not None:
+                stats.append(band_stats(rows, present, band_first))
+            return torch.cat(stats)
+
         read = gspo_metrics.read_to_host(
             self.accelerator, out, mask, entropies, policy_loss, nonfinite, aux_loss=aux_loss,
-            with_delta=self.args.delta is not None, extra_sums=by_age, extra_columns=columns, ranks_differ=True,
-            row_stats=(lambda rows, present: self._weight_stats(rows, present, buckets)) if weighted else None)
+            with_delta=self.args.delta is not None, extra_sums=by_age,
+            extra_columns=torch.cat(columns, 1) if columns else None, ranks_differ=True,
+            row_stats=row_stats if columns else None)
         counts = {"tokens": read.tokens, "completions": read.completions, "nonempty": read.nonempty}
         # Means over completions or tokens go to TRL's logger as (sum, count) rates: over a logging window of unequal
         # micro-batches each completion (token) then counts once, as in the loss.

@@ -23,6 +23,7 @@ precision; a bfloat16 vLLM engine against a float32 trainer puts most sequences 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import torch
 from transformers.utils import logging
@@ -104,10 +105,11 @@ _NO_LOGPROBS = ("`old_logps`: 'sampler', but this rollout returned no sampler lo
 
 
 class SamplerOldLogps:
-    """The `old_logps="sampler"` state of one trainer. `band`: the clip band (eps_low, eps_high) for the
-    outside-band share; `dtypes`: (sampler, trainer) compute dtype names, for the warning."""
+    """The `old_logps="sampler"` state of one trainer. `band`: returns the clip band in use (eps_low, eps_high), for
+    the outside-band share and the warning (it moves with `clip_band="adaptive"`); `dtypes`: (sampler, trainer)
+    compute dtype names, for the warning."""
 
-    def __init__(self, band: tuple[float, float], dtypes: tuple[str, str]):
+    def __init__(self, band: Callable[[], tuple[float, float]], dtypes: tuple[str, str]):
         self.band, self.dtypes = band, dtypes
         self.skipped_passes = 0  # old-policy passes answered with the sampler's log-probs
         self.rounds = 0  # training rollouts whose gap was measured
@@ -119,7 +121,7 @@ class SamplerOldLogps:
         self._warned = False
 
     @classmethod
-    def build(cls, trainer, band: tuple[float, float], dtypes: tuple[str, str]) -> SamplerOldLogps | None:
+    def build(cls, trainer, band: Callable[[], tuple[float, float]], dtypes: tuple[str, str]) -> SamplerOldLogps | None:
         """For a GRPOTrainer once TRL built it: None unless `old_logps="sampler"`. Turns TRL's vLLM IS correction off
         (pi_old / pi_sampler = 1) and warns when the sampler's processed log-probs are not the tempered policy's."""
         if getattr(trainer.args, "old_logps", "trainer") != "sampler":
@@ -200,7 +202,7 @@ class SamplerOldLogps:
             return None
         old, mask = self._micro_batch
         self._micro_batch = None
-        sums, extremes = mismatch_sums(logps.detach(), old, mask, *self.band)
+        sums, extremes = mismatch_sums(logps.detach(), old, mask, *self.band())
         if self._sums is None:
             self._sums, self._extremes = sums, extremes
         else:
@@ -211,7 +213,7 @@ class SamplerOldLogps:
         values = reduce_mismatch(accelerator, self._sums, self._extremes)
         self._measuring, self._sums, self._extremes = False, None, None
         self.rounds += 1
-        message = gap_warning(values, self.band, self.dtypes, first=self.rounds == 1)
+        message = gap_warning(values, self.band(), self.dtypes, first=self.rounds == 1)
         if message is not None and not self._warned:  # once, at the first rollout where it happens
             logger.warning(message)
             self._warned = True

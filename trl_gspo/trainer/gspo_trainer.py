@@ -31,7 +31,7 @@ from ..sampling.mismatch import SamplerWatch, log_turns, sampling_metrics
 from ..sampling.old_logps import SamplerOldLogps
 from ..sampling.routes import capture_routes
 from ..sampling.server import server_failures
-from .clip_band import AdaptiveClipBand
+from .clip_band import AdaptiveClipBand, ClipBandStep, band_columns, band_stats
 from .lora import TrainerLora
 from .model_checks import check_model
 from .routing import TrainerRouting, _first_adapter_layer, _reference_pass
@@ -83,12 +83,18 @@ class GSPOTrainer(CheckpointMixin, ToolTurnsMixin, GRPOTrainer):
         self._sampler_watch = SamplerWatch(getattr(args, "routing_replay_min_agreement", DEFAULT_MIN_ROUTE_AGREEMENT),
                                            dtypes)
         self._adapter_layer = _first_adapter_layer(base)
-        self._sampler_logps = SamplerOldLogps.build(self, self._clip_band(), dtypes)  # old_logps="sampler", or None
+        # old_logps="sampler", or None; it compares the sampler's gap with the band in use (`_clip_band`)
+        self._sampler_logps = SamplerOldLogps.build(self, self._clip_band, dtypes)
         self._routing = TrainerRouting.build(base, self.args, runs_old_policy_pass(self.args))
         self._replay_stack, self._replay_opened = None, False  # open while a micro-batch runs forward and backward
         self._lora = TrainerLora.build(self)  # LoRA folded for rollouts and weight syncs, base untouched; or None
         self._adaptive_band = (AdaptiveClipBand.build(self.args, self.epsilon_low, self.epsilon_high)
                                if self.loss_type in GSPO_LOSS_TYPES else None)  # clip_band="adaptive", or None
+        # Until the first optimizer step after a rollout the weights are those that sampled it: ratios then measure
+        # the sampler's noise (old_logps="sampler") or kernel rounding, never movement (clip_band.py).
+        self._on_sampling_weights = False
+        if self._adaptive_band is not None:
+            self.add_callback(ClipBandStep(self))
         if self.accelerator.is_main_process:  # the resolved sizes; a warning when paper presets changed TRL's
             log = logger.warning if getattr(self.args, "paper_presets", None) else logger.info
             log(setup_summary(self.args, self.accelerator.num_processes))
@@ -105,6 +111,7 @@ class GSPOTrainer(CheckpointMixin, ToolTurnsMixin, GRPOTrainer):
             return self._generate_and_score_round(inputs)
 
     def _generate_and_score_round(self, inputs):
+        self._on_sampling_weights = self.model.training
         if self._sampler_logps is not None:
             self._sampler_logps.start_round(training=self.model.training)
         if self._routing is None:
@@ -277,13 +284,15 @@ class GSPOTrainer(CheckpointMixin, ToolTurnsMixin, GRPOTrainer):
         if self.aux_loss_enabled:
             loss = loss + self.router_aux_loss_coef * aux_loss / accumulation
 
+        band = self._adaptive_band if mode == "train" else None  # clip_band="adaptive": what it reads
+        columns = None if band is None else band_columns(out, mask, advantages, self._on_sampling_weights)
         read = self._log_gspo_metrics(mode, out, mask, entropies.detach(), policy_loss.detach(),
                                       per_token_kl.detach() if self.beta != 0.0 else None,
-                                      aux_loss.detach() if self.aux_loss_enabled else None, nonfinite)
-        if self._adaptive_band is not None and mode == "train":  # clip_band="adaptive": the next step's band
-            band = self._adaptive_band.after_micro_batch(read, self.accelerator.sync_gradients, self._metrics[mode])
-            if band is not None:
-                self.epsilon_low, self.epsilon_high = band
+                                      aux_loss.detach() if self.aux_loss_enabled else None, nonfinite, columns)
+        if band is not None:  # the band this micro-batch trained with; it moves at the step's end (ClipBandStep)
+            band.observe(read.row_stats)
+            for name, value in band.in_use().items():
+                self._metrics[mode][name].append(value)
         return loss
 
     def _update_entropy_controller(self, entropies, mask):
@@ -299,12 +308,17 @@ class GSPOTrainer(CheckpointMixin, ToolTurnsMixin, GRPOTrainer):
                                                   a.entropy_coef_min, a.entropy_coef_max)
         self._last_world_entropy, self._entropy_window_stats = entropy, None
 
-    def _log_gspo_metrics(self, mode, out, mask, entropies, policy_loss, per_token_kl, aux_loss, nonfinite):
+    def _log_gspo_metrics(self, mode, out, mask, entropies, policy_loss, per_token_kl, aux_loss, nonfinite,
+                          band_columns=None):
         """Into TRL's `_metrics` (`metrics.read_to_host`): one reduce, one gather, one host read with the NaN/Inf counts
-        of the loss inputs, so a non-finite input raises before backward on every rank (the counts are summed)."""
+        of the loss inputs, so a non-finite input raises before backward on every rank (the counts are summed). With
+        the adaptive band's `band_columns`, its statistics come back in the same read (`read.row_stats`)."""
+        first = 5  # the band's columns follow `metrics.per_sequence_values`'s five
         read = gspo_metrics.read_to_host(self.accelerator, out, mask, entropies, policy_loss, nonfinite,
                                          per_token_kl=per_token_kl, aux_loss=aux_loss,
-                                         with_delta=self.args.delta is not None)
+                                         with_delta=self.args.delta is not None, extra_columns=band_columns,
+                                         row_stats=None if band_columns is None else
+                                         (lambda rows, present: band_stats(rows, present, first)))
         for name, value in read.values.items():
             self._metrics[mode][name].append(value)
         return read
