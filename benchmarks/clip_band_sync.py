@@ -129,7 +129,9 @@ def main():
             result = run(task, lr, arm, seed, Path(scratch) / f"{key}-{seed}", args.steps or (40 if args.quick else None),
                          args.sft_steps)
             runs[key].append(result)
-            print(f"{key} seed {seed}: reward {result['reward_last']:.3f}", flush=True)
+            bands = [e for e in result["epsilon"] if not math.isnan(e)]  # the band each logging window trained with
+            moved = f", epsilon {bands[0]:.3g} -> {bands[-1]:.3g}" if bands else ", fixed band"
+            print(f"{key} seed {seed}: reward {result['reward_last']:.3f}{moved}", flush=True)
             if args.out:  # after every run, so an interrupted sweep keeps what finished
                 args.out.write_text(json.dumps(runs, indent=1))
 

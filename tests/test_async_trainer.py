@@ -7,6 +7,7 @@ every parameter against a float64 reference written from the paper (one completi
 packing), and against the synchronous `GSPOTrainer`'s loss on the same samples unpadded-and-unpacked."""
 
 import copy
+import math
 
 import numpy as np
 import pytest
@@ -210,12 +211,17 @@ def test_config_presets_and_refusals(tmp_path):
     assert (paper.epsilon, paper.epsilon_high, paper.clip_band) == (EPS_LOW, EPS_HIGH, "fixed")
     trl = AsyncGSPOConfig(output_dir=str(tmp_path), use_cpu=True, loss_type="grpo")
     assert (trl.epsilon, trl.epsilon_high, trl.clip_band, trl.presets) == (0.2, None, "fixed", {})
+    # the decoupled objective bounds a ratio that is 1 by construction: the band stays fixed, and 'adaptive' is refused
+    decoupled = AsyncGSPOConfig(output_dir=str(tmp_path), use_cpu=True, staleness_correction="truncate")
+    assert (decoupled.clip_band, decoupled.epsilon, decoupled.epsilon_high) == ("fixed", EPS_LOW, EPS_HIGH)
     refusals = [(dict(loss_type="dapo"), "loss_type"), (dict(loss_type="grpo", delta=1.5), "delta"),
                 (dict(delta=1.0001), "delta"), (dict(epsilon=1.5), "epsilon"), (dict(epsilon_high=-1.0), "epsilon_high"),
                 (dict(max_staleness=-1), "max_staleness"), (dict(staleness_correction="clip"), "staleness_correction"),
                 (dict(loss_type="grpo", staleness_correction="truncate"), "staleness_correction"),
                 (dict(staleness_weight_cap=1.0), "staleness_weight_cap"),
-                (dict(loss_type="grpo", clip_band="adaptive"), "clip_band")]
+                (dict(loss_type="grpo", clip_band="adaptive"), "clip_band"),
+                (dict(staleness_correction="mask", clip_band="adaptive"), "clip_band"),
+                (dict(clip_band="adaptive", delta=1.1), "delta")]
     for options, option in refusals:
         with pytest.raises(ValueError, match=f"`{option}`.*Fix"):
             AsyncGSPOConfig(output_dir=str(tmp_path), use_cpu=True, **options)
@@ -345,13 +351,48 @@ def test_lora_weight_syncs_keep_a_bf16_base_bitwise_frozen(tiny_moe_dir, tokeniz
 
 
 def test_the_adaptive_clip_band_moves_with_the_clipped_share(tiny_moe_dir, tokenizer, tmp_path):
-    """clip_band="adaptive" in AsyncGSPOTrainer: samples far from the trainer (the queued log-probs are a constant)
-    clip almost everything, so the band widens every step, at most 2x, and is logged with the share it saw."""
+    """clip_band="adaptive" in AsyncGSPOTrainer: samples a version old and far from the trainer (the queued log-probs
+    are a constant) clip every sequence whose advantage makes the clip bind, so the band widens after each step by the
+    rule (docs/gspo.md: log epsilon moves by 0.15 (c - 0.15) / 0.15, at most log 2), and each step logs the band it
+    trained with and the share it read."""
     trainer = _trainer(tiny_moe_dir, tokenizer, tmp_path, _rollout_samples([0] * 8), max_steps=2,
                        per_device_train_batch_size=8, max_staleness=4, clip_band="adaptive")
     trainer.train()
     logs = [h for h in trainer.state.log_history if "loss" in h]
     bands = [h["gspo/clip_epsilon_low"] for h in logs]
-    assert len(bands) == 2 and all(h["gspo/clip_band_clipped_fraction"] > 0.15 for h in logs)
-    assert bands == pytest.approx([EPS_LOW * 2, EPS_LOW * 4])  # widened by the most one step allows
-    assert (trainer.epsilon_low, trainer.epsilon_high) == pytest.approx((EPS_LOW * 4, EPS_HIGH * 4))
+    shares = [h["gspo/clip_band_clipped_fraction"] for h in logs]
+    assert len(bands) == 2 and all(share > 0.15 for share in shares)
+
+    def documented(epsilon, share):
+        return epsilon * math.exp(min(0.15 * (share - 0.15) / 0.15, math.log(2)))
+
+    assert bands == pytest.approx([EPS_LOW, documented(EPS_LOW, shares[0])], rel=1e-6)  # step 1: the starting band
+    expected = documented(bands[1], shares[1])
+    assert (trainer.epsilon_low, trainer.epsilon_high) == pytest.approx((expected, expected * 4 / 3), rel=1e-6)
+
+
+def test_samples_of_the_weights_held_set_the_noise_floor(tiny_moe_dir, tokenizer, tmp_path):
+    """Step 1 trains samples of the version the trainer holds, synced to the sampler at start (age 0): their ratio is
+    the sampler's gap, not movement. The band reads no share from them and rises above that gap (the floor, logged);
+    samples older than the weights held count as movement."""
+    trainer = _trainer(tiny_moe_dir, tokenizer, tmp_path, _rollout_samples([1] * 4), max_steps=1,
+                       per_device_train_batch_size=8, max_staleness=4, clip_band="adaptive")
+    trainer.train()
+    (log,) = [h for h in trainer.state.log_history if "loss" in h]
+    assert "gspo/clip_band_clipped_fraction" not in log and log["gspo/clip_epsilon_low"] == EPS_LOW
+    assert log["gspo/clip_band_noise_floor"] == 0.0  # the floor step 1 trained with; measured in it
+    assert trainer._adaptive_band.noise_floor > 0.01 and trainer.epsilon_low == trainer._adaptive_band.noise_floor
+
+
+def test_the_startup_line_names_the_band(tiny_moe_dir, tokenizer, tmp_path, caplog):
+    """AsyncGSPOTrainer says at start which clip band it trains with, as GSPOTrainer does."""
+    import logging
+
+    with caplog.at_level(logging.INFO, logger="trl_gspo.async_trainer"):
+        _trainer(tiny_moe_dir, tokenizer, tmp_path / "fixed")
+        _trainer(tiny_moe_dir, tokenizer, tmp_path / "adaptive", clip_band="adaptive")
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("AsyncGSPOTrainer, loss_type=")]
+    assert len(lines) == 2
+    assert "clipped to [0.9997, 1.0004] (clip_band='fixed': the GSPO paper's band)" in lines[0]
+    assert "a band set by the run (clip_band='adaptive'): from [0.9997, 1.0004]" in lines[1]
+    assert all("pi_old is the sampler's log-probs" in line and "max_staleness=" in line for line in lines)

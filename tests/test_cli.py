@@ -182,7 +182,7 @@ def test_paper_comparison_recipes_differ_only_where_the_paper_does():
     gspo, grpo, replay = (yaml.safe_load((folder / f"{n}.yaml").read_text())
                           for n in ("gspo", "grpo", "grpo_routing_replay"))
     assert (gspo["loss_type"], gspo["epsilon"], gspo["epsilon_high"]) == ("gspo", 3e-4, 4e-4)
-    assert gspo["clip_band"] == "adaptive"  # from the paper's band, set by the run (the default, made explicit)
+    assert gspo["clip_band"] == "fixed"  # the paper's band (the default, made explicit)
     assert (grpo["loss_type"], grpo["epsilon"], grpo["epsilon_high"]) == ("grpo", 0.2, 0.27)
     assert replay["routing_replay"] == "old" and "routing_replay" not in grpo
     for recipe in (gspo, grpo, replay):  # 4 mini-batches per rollout batch, no KL

@@ -936,7 +936,7 @@ def test_adaptive_clip_band_reaches_its_target_at_any_movement(sigma):
         shares.append(share)
         epsilon = adaptive_clip_epsilon(epsilon, share, target, epsilon_min=1e-5, epsilon_max=0.2)
     settled = shares[150:]
-    assert abs(sum(settled) / len(settled) - target) < 0.03
+    assert abs(sum(settled) / len(settled) - target) < 0.1 * target
     # and the band it settled on is of the movement's size (sequence |log s| beyond ~1 sigma clip on one side)
     assert 0.3 * sigma < epsilon < 3 * sigma
 
@@ -944,7 +944,7 @@ def test_adaptive_clip_band_reaches_its_target_at_any_movement(sigma):
 def test_adaptive_clip_band_stays_within_its_bounds_when_ratios_blow_up_or_vanish():
     generator = torch.Generator().manual_seed(1)
     epsilon, seen = 3e-4, []
-    for sigma in [50.0] * 60 + [0.0] * 60:  # a diverging policy, then one that does not move at all
+    for sigma in [50.0] * 60 + [0.0] * 120:  # a diverging policy, then one that does not move at all
         share = _clipped_token_share(sigma, epsilon, epsilon * 4 / 3, generator)
         epsilon = adaptive_clip_epsilon(epsilon, share, 0.15, epsilon_min=1e-5, epsilon_max=0.2)
         seen.append(epsilon)
@@ -954,9 +954,39 @@ def test_adaptive_clip_band_stays_within_its_bounds_when_ratios_blow_up_or_vanis
     assert max(steps) <= 2.0 + 1e-12 and min(steps) >= 0.5 - 1e-12  # at most 2x per optimizer step
 
 
-def test_adaptive_clip_epsilon_formula_against_its_definition():
-    for epsilon, clipped, target in [(3e-4, 0.15, 0.15), (3e-4, 0.6, 0.15), (1e-2, 0.0, 0.15), (0.1, 0.2, 0.3)]:
-        factor = min(max((clipped + 0.01) / (target + 0.01), 0.5), 2.0)
-        expected = min(max(epsilon * factor, 1e-5), 0.2)
-        assert adaptive_clip_epsilon(epsilon, clipped, target, 1e-5, 0.2) == pytest.approx(expected, rel=1e-15)
-    assert adaptive_clip_epsilon(3e-4, 0.15, 0.15, 1e-5, 0.2) == 3e-4  # on target: unchanged
+@pytest.mark.parametrize("gain,max_step", [(0.15, 2.0), (0.05, 1.5), (0.5, 4.0), (2.0, 1.1)])
+def test_adaptive_clip_epsilon_against_the_docs_formula(gain, max_step):
+    """docs/gspo.md's rule, written out in float64 from its text (a step in log epsilon linear in the share, clamped
+    to +-log(max_step), then the band clamped to its bounds), at several gains and step caps."""
+
+    def documented(epsilon, share, target, lowest, highest):
+        step = gain * (share - target) / target
+        step = max(-math.log(max_step), min(math.log(max_step), step))
+        return min(highest, max(lowest, epsilon * math.exp(step)))
+
+    for epsilon in (1e-5, 3e-4, 1e-2, 0.19):
+        for share in (0.0, 0.05, 0.15, 0.3, 0.9, 1.0):
+            for target in (0.05, 0.15, 0.4):
+                got = adaptive_clip_epsilon(epsilon, share, target, 1e-5, 0.2, gain=gain, max_step=max_step)
+                assert got == pytest.approx(documented(epsilon, share, target, 1e-5, 0.2), rel=1e-12, abs=0)
+    assert adaptive_clip_epsilon(3e-4, 0.15, 0.15, 1e-5, 0.2, gain=gain, max_step=max_step) == 3e-4  # on target
+
+
+def test_adaptive_clip_band_settles_on_its_target_with_a_noisy_share():
+    """32 completions a step give a per-step share whose standard deviation is near its mean (0.14-0.20 measured in
+    the staleness benchmark). A step in log epsilon linear in the share settles with its mean share on the target
+    (within 10%); the rule it replaced, a step of log((c + 0.01) / (target + 0.01)), settles 15% above it here (0.172)."""
+    generator = torch.Generator().manual_seed(3)
+    epsilon, shares = 3e-4, []
+    for _ in range(1500):
+        advantages = torch.randint(0, 2, (32,), generator=generator).double() * 2 - 1
+        spread = torch.randn(32, generator=generator, dtype=torch.float64)
+        log_s = 5e-3 * advantages * torch.randn(32, generator=generator, dtype=torch.float64).abs() + 1e-2 * spread
+        high = (advantages > 0) & (log_s > math.log1p(epsilon * 4 / 3))
+        low = (advantages < 0) & (log_s < math.log1p(-epsilon))
+        share = float((high | low).double().mean())
+        shares.append(share)
+        epsilon = adaptive_clip_epsilon(epsilon, share, 0.15, 1e-5, 0.2)
+    settled = torch.tensor(shares[300:], dtype=torch.float64)
+    assert float(settled.std()) > 0.05  # a noisy share
+    assert abs(float(settled.mean()) / 0.15 - 1) < 0.1

@@ -54,7 +54,7 @@ def test_a_server_without_processed_logprobs_is_refused():
 
 # ------------------------------------------------------------------ the pieces, against float64 references
 def test_the_old_pass_answer_has_trls_layout():
-    state = SamplerOldLogps((3e-4, 4e-4), ("float32", "float32"))
+    state = SamplerOldLogps(lambda: (3e-4, 4e-4), ("float32", "float32"))
     state.start_round(training=True)
     state.keep([[-0.5, -1.0], [-2.0, None, -0.25]])
     with torch.no_grad():  # TRL runs its old-policy pass without grad
@@ -68,7 +68,7 @@ def test_the_old_pass_answer_has_trls_layout():
 
 
 def test_only_the_rounds_no_grad_policy_pass_is_answered():
-    state = SamplerOldLogps((3e-4, 4e-4), ("float32", "float32"))
+    state = SamplerOldLogps(lambda: (3e-4, 4e-4), ("float32", "float32"))
     state.start_round(training=True)
     state.keep([[-1.0]])
     assert not state.answers_old_pass(is_policy=False, reference_pass=False)  # a separate reference model
@@ -79,7 +79,7 @@ def test_only_the_rounds_no_grad_policy_pass_is_answered():
 
 
 def test_a_round_without_sampler_logps_or_with_a_missing_one_on_a_trained_token_is_refused():
-    state = SamplerOldLogps((3e-4, 4e-4), ("float32", "float32"))
+    state = SamplerOldLogps(lambda: (3e-4, 4e-4), ("float32", "float32"))
     batch = {"completion_mask": torch.tensor([[1, 1, 0]]), "tool_mask": torch.tensor([[1, 0, 1]])}
     state.start_round(training=True)
     with pytest.raises(ValueError, match="returned no sampler log-probs"):
@@ -97,7 +97,7 @@ def test_a_round_without_sampler_logps_or_with_a_missing_one_on_a_trained_token_
 
 def test_an_evaluation_round_keeps_trls_pi_old():
     """HF generate records no log-probs outside training: an evaluation round is left to TRL."""
-    state = SamplerOldLogps((3e-4, 4e-4), ("float32", "float32"))
+    state = SamplerOldLogps(lambda: (3e-4, 4e-4), ("float32", "float32"))
     state.start_round(training=False)
     state.keep(None)
     with torch.no_grad():
@@ -127,7 +127,7 @@ def _reference_outside_band(logps, old, mask, eps_low, eps_high):
 def test_the_gap_is_measured_over_the_micro_batches_before_the_optimizer_step():
     generator = torch.Generator().manual_seed(0)
     band = (3e-4, 4e-4)
-    state = SamplerOldLogps(band, ("bfloat16", "float32"))
+    state = SamplerOldLogps(lambda: band, ("bfloat16", "float32"))
     state.start_round(training=True)
     batches = []
     for shift in (1e-5, 1e-3):  # two micro-batches: the first inside the band, the second outside
@@ -148,6 +148,25 @@ def test_the_gap_is_measured_over_the_micro_batches_before_the_optimizer_step():
     # measured once per rollout: after the optimizer step the weights are no longer the sampling ones
     state.micro_batch({"old_per_token_logps": old, "completion_mask": mask}, training=True)
     assert state.training_pass(logps, _OneRank(), sync_gradients=True) is None
+
+
+def test_the_gap_is_compared_with_the_band_in_use():
+    """With a band that moves (clip_band="adaptive") the outside-band share and its warning use the band of the
+    rollout being measured, not the band the run started with."""
+    generator = torch.Generator().manual_seed(1)
+    band = [(3e-4, 4e-4)]
+    state = SamplerOldLogps(lambda: band[0], ("bfloat16", "float32"))
+    old = -torch.rand(8, 5, generator=generator) - 0.1
+    mask = torch.ones(8, 5)
+    logps = old + 1e-3 * (1 + torch.rand(8, 5, generator=generator))  # every sequence 1e-3 to 2e-3 above pi_old
+    shares = []
+    for current in ((3e-4, 4e-4), (3e-2, 4e-2)):  # a rollout at the paper's band, then one after it widened
+        band[0] = current
+        state.start_round(training=True)
+        state.micro_batch({"old_per_token_logps": old, "completion_mask": mask}, training=True)
+        shares.append(state.training_pass(logps, _OneRank(), sync_gradients=True)["sampling/seq_outside_clip_band"])
+    assert shares == [_reference_outside_band(logps, old, mask, 3e-4, 4e-4),
+                      _reference_outside_band(logps, old, mask, 3e-2, 4e-2)] == [1.0, 0.0]
 
 
 def test_the_guard_fires_when_most_sequences_fall_outside_the_band():

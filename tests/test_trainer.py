@@ -504,9 +504,8 @@ def test_startup_names_the_resolved_sizes_and_the_presets_that_set_them(tmp_path
     assert record.getMessage() == (
         "loss_type='gspo': each rollout batch is 32 completions (8 prompts x 4 generations) over 1 process(es), "
         "trained as 4 mini-batches of 8 per process: 4 optimizer step(s) per rollout batch; one ratio per sequence, "
-        "clipped to a band set by the run (clip_band='adaptive'): from [0.9997, 1.0004], moved after every optimizer "
-        "step toward 0.15 of the tokens clipped (clip_band='fixed' keeps it); beta=0. GSPOConfig filled in the GSPO "
-        "paper's values for fields left unset: "
+        "clipped to [0.9997, 1.0004] (clip_band='fixed': the GSPO paper's band); beta=0. GSPOConfig filled in the "
+        "GSPO paper's values for fields left unset: "
         "beta=0.0, epsilon=0.0003, epsilon_high=0.0004, importance_sampling_level='sequence', steps_per_generation=4.")
 
     caplog.clear()
