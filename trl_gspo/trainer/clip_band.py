@@ -36,7 +36,7 @@ STATE_FILE = "clip_band_state.json"
 # all equal is 0 up to rounding (about 1e-13 after its division by std + 1e-4).
 LEARNABLE_ADVANTAGE = 1e-8
 # Every learnable |log s_i| of a step below this: the ratios are 1 up to kernel rounding (one float32 pass against
-# another: 1.75e-7 on an H200, docs/results.md), so the step carries no signal. Its own constant, not clip_band_min.
+# another: docs/results.md), so the step carries no signal. Its own constant, not clip_band_min.
 NO_SIGNAL_LOG_RATIO = 1e-6
 # The band stays NOISE_MARGIN times above the largest |log s_i| of sequences scored on their sampling weights; each
 # new measurement replaces a floor that has decayed by NOISE_DECAY per measurement (it follows the sampler, never
