@@ -17,8 +17,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 # name -> (trainer class name, config overrides); TRL's trainers are the baselines
 ARMS = {
-    "gspo": ("GSPOTrainer", dict(loss_type="gspo")),  # the default band: set by the run (clip_band="adaptive")
-    "gspo_fixed_band": ("GSPOTrainer", dict(loss_type="gspo", clip_band="fixed")),  # the paper's band throughout
+    "gspo": ("GSPOTrainer", dict(loss_type="gspo")),  # the default band: the paper's, fixed
+    "gspo_adaptive_band": ("GSPOTrainer", dict(loss_type="gspo", clip_band="adaptive")),  # the band set by the run
     "trl_sequence_grpo": ("GRPOTrainer", dict(loss_type="grpo", importance_sampling_level="sequence",
                                               epsilon=3e-4, epsilon_high=4e-4)),
     "trl_token_grpo": ("GRPOTrainer", dict(loss_type="grpo", importance_sampling_level="token",
