@@ -185,3 +185,59 @@ def test_precision_options_refused_exactly_where_the_parent_refuses(config, hook
             continue
         built = ours(output_dir="unused", report_to="none", **options)
         assert (built.bf16, built.fp16, built.use_cpu) == (expected.bf16, expected.fp16, expected.use_cpu), options
+
+
+# A typo in each enumerated option transformers refuses at config time ("X is not a valid SaveStrategy, please select
+# one of [...]"). The bad value may equal another field's value (lr_scheduler_type defaults to "linear",
+# logging_strategy to "steps"): the refusal must still name the field that holds the typo.
+TRANSFORMERS_TYPOS = [
+    (dict(save_strategy="linear"), "save_strategy"),
+    (dict(hub_strategy="steps"), "hub_strategy"),
+    (dict(logging_strategy="epoch_"), "logging_strategy"),
+    (dict(eval_strategy="step"), "eval_strategy"),
+    (dict(lr_scheduler_type="cosin"), "lr_scheduler_type"),
+    (dict(optim="adamw_torh"), "optim"),
+    (dict(debug="underflow_overflo"), "debug"),
+    (dict(debug="tpu_metrics_debug underflow_overflo"), "debug"),  # transformers splits debug on spaces
+]
+
+
+@pytest.mark.parametrize("config", ["GSPOConfig", "AsyncGSPOConfig"])
+@pytest.mark.parametrize("bad,option", TRANSFORMERS_TYPOS)
+def test_typo_in_transformers_enumerated_option_names_that_option(config, bad, option, tmp_path):
+    cls = _parents()[config][0]
+    with pytest.raises(ValueError) as raised:
+        cls(output_dir=str(tmp_path), use_cpu=True, bf16=False, report_to="none", **bad)
+    typo = bad[option].split()[-1]
+    message = str(raised.value)
+    assert message.startswith(f"`{option}`: unknown value {typo!r}") and "Fix: use one of" in message, message
+    assert "\n" not in message and raised.value.__cause__ is not None
+
+
+@pytest.mark.parametrize("bad,suggestion", [
+    (dict(logging_strategy="epoch_"), "epoch"), (dict(eval_strategy="step"), "steps"),
+    (dict(lr_scheduler_type="cosin"), "cosine"), (dict(optim="adamw_torh"), "adamw_torch")])
+def test_typo_in_transformers_enumerated_option_suggests_the_nearest(bad, suggestion, tmp_path):
+    with pytest.raises(ValueError, match=f"did you mean {suggestion!r}"):
+        GSPOConfig(output_dir=str(tmp_path), use_cpu=True, bf16=False, report_to="none", **bad)
+
+
+@pytest.mark.parametrize("bad,option", [
+    (dict(loss_type="gsop"), "loss_type"), (dict(importance_sampling_level="sequense"), "importance_sampling_level"),
+    (dict(routing_replay="olde"), "routing_replay"), (dict(old_logps="sampeler"), "old_logps"),
+    (dict(vllm_dtype="float23"), "vllm_dtype"), (dict(clip_band="adaptiv"), "clip_band")])
+def test_typo_in_our_enumerated_option_names_that_option(bad, option, tmp_path):
+    with pytest.raises(ValueError) as raised:
+        GSPOConfig(output_dir=str(tmp_path), use_cpu=True, bf16=False, report_to="none", **bad)
+    assert str(raised.value).startswith(f"`{option}`: unknown value {bad[option]!r} (did you mean"), str(raised.value)
+
+
+def test_report_to_typo_is_not_refused_at_config_time(tmp_path):
+    """transformers does not check `report_to` in `TrainingArguments.__post_init__` (it only wraps it in a list); the
+    Trainer refuses an unknown integration when it builds its callbacks."""
+    from transformers.integrations import get_reporting_integration_callbacks
+
+    cfg = GSPOConfig(output_dir=str(tmp_path), use_cpu=True, bf16=False, report_to="wandbb")
+    assert cfg.report_to == ["wandbb"]
+    with pytest.raises(ValueError, match="wandbb is not supported"):
+        get_reporting_integration_callbacks(cfg.report_to)

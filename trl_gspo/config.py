@@ -341,13 +341,21 @@ def parent_errors_as_ours(args):
                          "set one of them to False.") from err
         # transformers' enumerated fields (lr_scheduler_type, save_strategy, optim, ...): name the field and the
         # nearest valid value
-        enum = re.fullmatch(r"(.*) is not a valid \w+, please select one of \[(.*)\]", str(err))
-        names = [f.name for f in dataclasses.fields(args) if enum and getattr(args, f.name) == enum.group(1)]
+        enum = re.fullmatch(r"(.*) is not a valid (\w+), please select one of \[(.*)\]", str(err))
+        names = _fields_holding(args, *enum.groups()[:2]) if enum else []
         if names:
-            choices = [choice.strip(" '") for choice in enum.group(2).split(",")]
+            choices = [choice.strip(" '") for choice in enum.group(3).split(",")]
             raise _error(names[0], f"unknown value {enum.group(1)!r}{did_you_mean(enum.group(1), choices)}.",
                          f"use one of {', '.join(map(repr, choices))}.") from err
         raise
+
+
+def _fields_holding(args, value: str, enum_name: str) -> list[str]:
+    """Fields holding `value` (alone, or as one word: `debug="a b"`), those typed with the refusing enum first."""
+    held = [f for f in dataclasses.fields(args) if (v := getattr(args, f.name)) == value
+            or (isinstance(v, str) and value in v.split())]
+    # Another field may hold the same string validly (save_strategy="linear" vs lr_scheduler_type's default "linear")
+    return [f.name for f in sorted(held, key=lambda f: not re.search(rf"\b{enum_name}\b", str(f.type)))]
 
 
 def did_you_mean(value, choices) -> str:
