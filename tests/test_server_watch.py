@@ -86,14 +86,28 @@ def test_progress_is_read_from_vllms_counters():
 
 
 @pytest.mark.parametrize("progress", ["still", "silent"])
-def test_a_server_without_progress_is_stopped_after_the_stall_timeout(progress):
+def test_a_server_without_progress_is_stopped_after_the_stall_timeout(progress, monkeypatch):
+    """Stopped once the stall timeout (1.5 s) has passed without progress, while the request is still out (the server
+    would answer after 30 s): at the first poll past the timeout, not later. Polls are counted, not timed, so a busy
+    machine cannot fail it: each lasts at least `poll_seconds` (0.25 s) waiting on the request, plus as long again
+    waiting on a /metrics that does not answer, so at most 1.5 / 0.25 polls after the first ('still': the first one
+    reads the counters that then stand still), or 1.5 / 0.5 ('silent'), fit before the watch must stop."""
+    polls, read = [], server_watch.server_progress
+
+    def counted(base_url, timeout):
+        polls.append(timeout)
+        return read(base_url, timeout)
+
+    monkeypatch.setattr(server_watch, "server_progress", counted)
     with fake_server(None, progress) as (url, _):
         started = time.monotonic()
         with pytest.raises(server_watch.ServerStalled) as stalled:
             server_watch.watch_generation(lambda: _post(url + "/v1/completions"), url, stall_timeout=1.5,
                                           poll_seconds=0.25)
         seconds = time.monotonic() - started
-    assert 1.5 <= stalled.value.seconds and 1.5 <= seconds < 5
+    assert 1.5 <= stalled.value.seconds <= seconds
+    most = 1 + 1.5 / 0.25 if progress == "still" else 1.5 / 0.5
+    assert 1 <= len(polls) <= most + 1 and set(polls) == {0.25}, polls  # + 1 of margin
 
 
 def test_a_slow_server_that_makes_progress_is_not_stopped():
