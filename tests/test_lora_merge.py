@@ -167,8 +167,16 @@ def _server_trainer(model, main: bool):
     trainer = types.SimpleNamespace(model=model, accelerator=accelerator, use_vllm=True, is_fsdp_enabled=False,
                                     is_deepspeed_enabled=False,
                                     vllm_generation=generation,
-                                    args=types.SimpleNamespace(exact_lora_merge=True, merge_adapters_for_rollout=True))
+                                    args=_args(use_vllm=True))
     return trainer, sent
+
+
+def _args(**overrides):
+    """The fields of a GSPOConfig that TrainerLora reads (4 mini-batches per rollout: TRL runs an old-policy pass)."""
+    fields = dict(exact_lora_merge=True, merge_adapters_for_rollout=True, ds3_gather_for_generation=True,
+                  steps_per_generation=4, num_iterations=1, gradient_accumulation_steps=1, use_vllm=False,
+                  vllm_importance_sampling_correction=True)
+    return types.SimpleNamespace(**{**fields, **overrides})
 
 
 @pytest.mark.parametrize("main", [True, False])
@@ -211,19 +219,25 @@ def test_a_copying_stream_fails_at_the_servers_metadata_walk_before_anything_is_
 class _PackedTransfer:
     """The server side of TRL's packed weight transfer (`VLLMClient.update_named_params`): the `/update_weights`
     request runs in a thread and returns only once every announced tensor has arrived, while the trainer's thread
-    streams them. A real server waits forever for a missing tensor; this one gives up after `patience` seconds."""
+    streams them. A real server waits forever for a missing tensor; this one gives up after `patience` seconds, and
+    says so in `gave_up`."""
 
     def __init__(self, patience: float):
         import queue
 
-        self.patience, self.arrived, self.received = patience, queue.Queue(), []
+        self.patience, self.arrived, self.received, self.gave_up = patience, queue.Queue(), [], False
 
     def update_named_params(self, metadata, named_params):
         import concurrent.futures
+        import queue
 
         def server():
             for _ in metadata:
-                self.received.append(self.arrived.get(timeout=self.patience))
+                try:
+                    self.received.append(self.arrived.get(timeout=self.patience))
+                except queue.Empty:
+                    self.gave_up = True
+                    raise
 
         with concurrent.futures.ThreadPoolExecutor(max_workers=1) as executor:
             request = executor.submit(server)
@@ -235,9 +249,8 @@ class _PackedTransfer:
 def test_a_failure_mid_way_through_a_server_sync_stops_the_run_without_a_hang(tokenizer, monkeypatch):
     """Building one `W + delta` fails half-way through the stream the server is receiving: the transfer still
     completes (every announced tensor arrives, so the server's request returns), and the sync raises one
-    LoraMergeError at once, naming the tensor and chained to the cause."""
-    import time
-
+    LoraMergeError at once, naming the tensor and chained to the cause: the server never waited out its patience on
+    a missing tensor (it says so, rather than the test timing it)."""
     from trl_gspo.trainer.lora import TrainerLora
 
     model = _peft_model(tokenizer, torch.bfloat16)
@@ -255,10 +268,9 @@ def test_a_failure_mid_way_through_a_server_sync_stops_the_run_without_a_hang(to
         return original(target)
 
     monkeypatch.setattr(lora_merge, "effective_weight", failing)
-    start = time.monotonic()
     with pytest.raises(LoraMergeError, match="simulated") as raised:
         trainer.vllm_generation.sync_weights()
-    assert time.monotonic() - start < 10  # not the server's patience: nothing waited on a missing tensor
+    assert not transfer.gave_up  # nothing waited on a missing tensor
     assert isinstance(raised.value.__cause__.__cause__, RuntimeError)
     assert len(transfer.received) == len(trainer.vllm_generation._weight_metadata)
     assert _changed(model, base) == [] and "merge_adapter" not in vars(model)
@@ -339,3 +351,135 @@ def test_the_run_summary_names_the_folded_rollouts_memory(held, tmp_path, capsys
     callback.on_train_begin(args, state, None)
     callback.on_train_end(args, state, None)
     assert ("LoRA folded rollout:   1.500 GiB of expert weights held per rank" in capsys.readouterr().out) == bool(held)
+
+
+# Whole or sharded: folding reads and replaces whole weights, so it runs only where `model_is_whole` says so, and a run
+# that folds no expert says why at start.
+
+ROUTER = dict(target_modules=["q_proj", "v_proj"],  # PEFT allows a 2-D `target_parameters` too: here the router
+              target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj", "mlp.gate.weight"])
+NOT_FOLDED = "LoRA: expert adapters are not folded for rollouts: "
+
+
+def _hf_trainer(model, main=True, state=None, **args):
+    """What TrainerLora reads of a GSPOTrainer that generates with HF generate on one process (`state`: accelerate's
+    plugins)."""
+    import collections
+
+    accelerator = types.SimpleNamespace(is_main_process=main, unwrap_model=lambda m: m,
+                                        state=types.SimpleNamespace(**(state or {})))
+    return types.SimpleNamespace(model=model, accelerator=accelerator, use_vllm=args.get("use_vllm", False),
+                                 is_fsdp_enabled="fsdp_plugin" in (state or {}),
+                                 is_deepspeed_enabled="deepspeed_plugin" in (state or {}),
+                                 _metrics={"train": collections.defaultdict(list)}, args=_args(**args))
+
+
+def test_a_2d_target_parameter_on_one_process_is_whole_and_folded(tokenizer):
+    """A 2-D parameter in `target_parameters` (the router, beside the 3-D fused experts) is no shard: on one process
+    the model is whole, a rollout folds it with the experts, and the folded forward is the active one bit for bit."""
+    from trl_gspo.lora_merge import model_is_whole
+    from trl_gspo.trainer.lora import TrainerLora
+
+    model = _peft_model(tokenizer, torch.bfloat16, **ROUTER)
+    targets = adapter_targets(model, experts_only=True)
+    assert sorted(t.parameter.dim() for t in targets) == [2, 2, 3, 3, 3, 3]  # 2 layers: router, gate_up, down
+    assert model_is_whole(model)
+    ids = torch.randint(3, model.config.vocab_size, (3, 17), generator=torch.Generator().manual_seed(1))
+    active = _logits(model, ids)
+    with merged_adapters(model, experts_only=True):
+        assert torch.equal(_logits(model, ids), active)
+    trainer = _hf_trainer(model)
+    lora = TrainerLora.build(trainer)
+    assert lora._not_folding() is None
+    with lora.rollout():
+        model.generate(input_ids=ids[:, :5], max_new_tokens=2, do_sample=False)
+    assert trainer._metrics["train"][TrainerLora.FOLDED_BYTES] == [float(sum(t.parameter.nbytes for t in targets))]
+
+
+def _fsdp1_is_whole(rank: int, init_file: str, out: str) -> None:
+    """One of two gloo processes: the tiny model with LoRA under torch's FSDP v1, `use_orig_params` true and false,
+    wrapped at the root only and by PEFT's wrap policy; what `model_is_whole` says of the wrapper and of the module
+    inside it (what `accelerator.unwrap_model` returns), once wrapped and after a forward."""
+    import json
+
+    import torch.distributed as dist
+    from peft.utils.other import fsdp_auto_wrap_policy
+    from torch.distributed.fsdp import FullyShardedDataParallel
+    from trl_gspo.lora_merge import model_is_whole
+    from trl_gspo.quickstart.tokenizer import build_tokenizer
+
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
+    try:
+        seen, tokenizer = {}, build_tokenizer()
+        for orig in (True, False):
+            for policy in ("root", "peft"):
+                model = _peft_model(tokenizer, torch.float32, target_modules=["q_proj", "v_proj"])
+                if policy == "root" and not orig:
+                    model.requires_grad_(True)  # one flat parameter: all trainable or all frozen
+                wrapped = FullyShardedDataParallel(
+                    model, device_id=torch.device("cpu"), use_orig_params=orig,
+                    auto_wrap_policy=fsdp_auto_wrap_policy(model) if policy == "peft" else None)
+                seen[f"use_orig_params={orig}, {policy}"] = [model_is_whole(wrapped), model_is_whole(wrapped.module)]
+                with torch.no_grad():
+                    wrapped(input_ids=torch.tensor([[5, 6, 7, 8]]))
+                seen[f"use_orig_params={orig}, {policy}, after a forward"] = [
+                    model_is_whole(wrapped), model_is_whole(wrapped.module)]
+        with open(f"{out}/rank{rank}.json", "w") as file:
+            json.dump(seen, file)
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.slow
+def test_fsdp_v1_is_sharded_with_and_without_orig_params(tmp_path):
+    """FSDP v1 leaves 1-D views of each rank's shard (`use_orig_params=True`) or plain tensors of full shape over
+    freed storage (`False`): neither is whole, on either rank, whether the wrapper or the module inside it is asked."""
+    import json
+
+    import torch.multiprocessing as mp
+
+    mp.spawn(_fsdp1_is_whole, args=(str(tmp_path / "init"), str(tmp_path)), nprocs=2, join=True)
+    for rank in (0, 1):
+        seen = json.loads((tmp_path / f"rank{rank}.json").read_text())
+        assert len(seen) == 8 and all(answer == [False, False] for answer in seen.values()), (rank, seen)
+
+
+@pytest.mark.parametrize("case, level, reason", [
+    ("option off", "INFO", "`merge_adapters_for_rollout` is off"),
+    ("attention only", "INFO", "no parameter is adapted directly"),
+    ("vLLM, on-policy", "INFO", "vLLM generates and no old-policy forward runs"),
+    ("FSDP2", "INFO", "under FSDP each unit is gathered in its own forward"),
+    ("ZeRO-3 layer by layer", "INFO",
+     "under ZeRO-3 the old-policy pass runs on shards and generation is gathered layer by layer"),
+    ("ZeRO-3, vLLM", "INFO", "under ZeRO-3 the old-policy pass runs on shards and generation is vLLM's"),
+    ("sharded, no plugin says so", "WARNING", "the weights are sharded (DTensor, ZeRO-3 or FSDP v1"),
+    ("folding", None, None),
+])
+def test_a_run_that_folds_no_expert_says_why_in_one_line(tokenizer, caplog, case, level, reason):
+    """One line at start, on the main process only, names the check that turned expert folding off: information where
+    a setting of the run explains it (the option, the targets, vLLM, FSDP, ZeRO-3), a warning where none does
+    (weights sharded some other way). None where it folds."""
+    import logging
+
+    from trl_gspo.trainer.lora import TrainerLora
+
+    model = _peft_model(tokenizer, torch.bfloat16, **(dict(target_modules=["q_proj"]) if case == "attention only"
+                                                       else TARGETS))
+    zero3 = {"deepspeed_plugin": types.SimpleNamespace(zero_stage=3)}
+    options = {"option off": dict(merge_adapters_for_rollout=False),
+               "vLLM, on-policy": dict(use_vllm=True, exact_lora_merge=False, steps_per_generation=1,
+                                       vllm_importance_sampling_correction=False),
+               "FSDP2": dict(state={"fsdp_plugin": types.SimpleNamespace(fsdp_version=2)}),
+               "ZeRO-3 layer by layer": dict(state=zero3, ds3_gather_for_generation=False),
+               "ZeRO-3, vLLM": dict(state=zero3, use_vllm=True, exact_lora_merge=False)}.get(case, {})
+    if case == "sharded, no plugin says so":  # what FSDP v1 leaves on a parameter of a model wrapped at its root
+        next(model.parameters())._fsdp_flattened = True
+    for main in (True, False):
+        caplog.clear()
+        with caplog.at_level(logging.INFO, logger="trl_gspo.trainer.lora"):
+            TrainerLora.build(_hf_trainer(model, main=main, **options))
+        lines = [(r.levelname, r.getMessage()) for r in caplog.records if r.getMessage().startswith(NOT_FOLDED)]
+        if level is None or not main:
+            assert lines == []
+        else:
+            assert len(lines) == 1 and lines[0][0] == level and lines[0][1].startswith(NOT_FOLDED + reason), lines

@@ -184,36 +184,26 @@ def effective_weight(target: AdapterTarget) -> torch.Tensor:
         return _linear_effective_weight(target)
 
 
-def _whole_shape(target: AdapterTarget) -> bool:
-    """The base parameter and its adapters have the shapes the layer was built with (a sharding wrapper that flattens
-    parameters, as FSDP v1 does between forwards, leaves 1-D views of a shard)."""
-    layer, weight = target.layer, target.parameter
-    if target.token_rows:
-        return weight.dim() == 2
-    if target.expert_stack:
-        if weight.dim() != 3 or weight.shape[0] != layer.num_experts:
-            return False
-    elif tuple(weight.shape) != ((layer.in_features, layer.out_features) if layer.fan_in_fan_out
-                                 else (layer.out_features, layer.in_features)):
-        return False
-    return all(layer.lora_A[name].weight.dim() == 2 and layer.lora_B[name].weight.dim() == 2
-               for name in _active(layer))
-
-
 def model_is_whole(model: torch.nn.Module) -> bool:
-    """True when every parameter is a full local tensor: not a ZeRO-3 shard outside a gather, not an FSDP2 DTensor,
-    and every adapted weight and its adapters in the shapes their layers were built with (FSDP v1 with
-    `use_orig_params` leaves flat 1-D views of each rank's shard between forwards). Folding needs the whole weight."""
+    """True when every parameter is a full local tensor, as folding needs. A shard is told by what the sharding
+    leaves on it, never by its shape (PEFT's `target_parameters` may be 2-D or 3-D): an FSDP2 DTensor, a ZeRO-3
+    parameter outside a gather, or anything FSDP v1 manages (an FSDP module in the tree, or, with only the root
+    wrapped and unwrapped, parameters it marks `_fsdp_flattened`). FSDP v1 counts as sharded even while gathered: its
+    parameters are views into flat buffers it rewrites (with `use_orig_params=False`, plain tensors over freed
+    storage between forwards), so a folded weight would not stay."""
     try:
+        from torch.distributed.fsdp import FullyShardedDataParallel
         from torch.distributed.tensor import DTensor
     except ImportError:
-        DTensor = ()
+        DTensor = FullyShardedDataParallel = ()
+    if any(isinstance(module, FullyShardedDataParallel) for module in model.modules()):
+        return False
     for param in model.parameters():
-        if isinstance(param, DTensor):
+        if isinstance(param, DTensor) or getattr(param, "_fsdp_flattened", False):
             return False
         if hasattr(param, "ds_id") and (param.numel() == 0 or getattr(param.ds_status, "name", "") != "AVAILABLE"):
             return False
-    return all(_whole_shape(target) for target in adapter_targets(model))
+    return True
 
 
 @contextlib.contextmanager

@@ -20,6 +20,7 @@ import contextlib
 import torch
 from transformers.utils import logging
 
+from ..config import runs_old_policy_pass
 from ..lora_merge import (LoraMergeError, adapter_targets, exact_sync_stream, merged_adapters, model_is_whole,
                           unmergeable_layers)
 from .routing import _first_adapter_layer, _reference_pass
@@ -93,9 +94,35 @@ class TrainerLora:
             return None
         check_lora_layout(trainer, model)
         lora = cls(trainer, model)
+        off = lora._not_folding()
+        if off is not None and trainer.accelerator.is_main_process:
+            reason, unexplained = off  # a warning only where nothing in the run's settings says why
+            (logger.warning if unexplained else logger.info)(
+                f"LoRA: expert adapters are not folded for rollouts: {reason} (docs/lora.md).")
         if trainer.use_vllm:
             lora._install_exact_sync()
         return lora
+
+    def _not_folding(self) -> tuple[str, bool] | None:
+        """Why no rollout will fold the experts, and whether no setting of the run explains it (sharded weights
+        outside FSDP and ZeRO-3); None when some rollout block will fold them."""
+        trainer = self.trainer
+        if not self.fold_rollout:
+            return "`merge_adapters_for_rollout` is off", False
+        if not adapter_targets(self.model, experts_only=True):
+            return "no parameter is adapted directly (PEFT `target_parameters`: fused experts, a router)", False
+        if trainer.use_vllm and (getattr(trainer, "_sampler_logps", None) is not None
+                                 or not runs_old_policy_pass(trainer.args)):
+            return "vLLM generates and no old-policy forward runs", False
+        if trainer.is_fsdp_enabled:
+            return "under FSDP each unit is gathered in its own forward and holds shards between forwards", False
+        if _zero3(trainer) and (trainer.use_vllm or not self.fold_generation):
+            generation = ("vLLM's" if trainer.use_vllm else
+                          "gathered layer by layer (`ds3_gather_for_generation: false`)")
+            return f"under ZeRO-3 the old-policy pass runs on shards and generation is {generation}", False
+        if self.keep_for_old_pass and not model_is_whole(self.model):
+            return "the weights are sharded (DTensor, ZeRO-3 or FSDP v1 parameters: `model_is_whole`)", True
+        return None
 
     def _install_exact_sync(self) -> None:
         if exact_sync_model(self.trainer) is None:
