@@ -4,6 +4,11 @@ A replayed router keeps its live logits (so the router still receives gradients)
 indices; the gate weights must then be recomputed with the router family's own formula. Each formula is checked
 at runtime against the router's own output at its natural choices (`RoutingReplay` does this once per router
 class), so a future transformers change is caught instead of silently training with wrong weights.
+
+tests/test_router_formulas.py checks every `KNOWN_ROUTERS` entry, weights and gradients w.r.t. the logits, at random
+forced experts and with the family's config knobs, against a naive float64 reference written from the family's
+rule (itself checked against the stock transformers router), and the `CANDIDATES` fallback for unknown router
+classes. Formulas that follow their router in computing in float32 are compared there at float32 resolution.
 """
 
 from __future__ import annotations
@@ -128,7 +133,8 @@ class RouterFamily:
     layout: OutputLayout = TRIPLE
 
 
-# Router class name -> family. Every entry is covered by tests/test_routing.py against a naive reference.
+# Router class name -> family. Every entry is checked against a naive reference, gradients included, by
+# tests/test_router_formulas.py, which fails for an entry added here without a reference there.
 KNOWN_ROUTERS: dict[str, RouterFamily] = {
     "Qwen3MoeTopKRouter": RouterFamily(SOFTMAX_GATHER),
     "Qwen2MoeTopKRouter": RouterFamily(SOFTMAX_GATHER),
