@@ -34,14 +34,16 @@ def default_clip_band(args) -> str:
 
 @dataclass
 class AsyncGSPOConfig(AsyncGRPOConfig):
-    """`AsyncGRPOConfig` with GSPO's loss types. For `"gspo"` / `"gspo_token"` with `epsilon` and `epsilon_high` unset,
-    the clip band is set by the run (`clip_band="adaptive"`): it starts at the GSPO paper's 3e-4 / 4e-4 and moves after
-    every optimizer step toward clipping 15% of the completion tokens, the paper's operating point. Each sample is
-    trained once against the sampler's log-probs, so the band is the only trust region, and how far a stale sample
-    has moved depends on the model, the learning rate and the sample's age: no fixed number fits them all
-    (docs/gspo.md "A clip band set by the run"). `clip_band="fixed"` keeps the paper's band (or the band set);
-    setting `epsilon` / `epsilon_high` keeps the band given. TRL's asynchronous trainer has no KL term and no
-    reference model, so the paper's `beta=0` holds by construction. For `"grpo"` the defaults are TRL's (`0.2`)."""
+    """`AsyncGRPOConfig` with GSPO's loss types. For `"gspo"` / `"gspo_token"` with `epsilon` and `epsilon_high` unset
+    and `staleness_correction="none"`, the clip band is `ASYNC_DEFAULT_CLIP_BAND`: set by the run
+    (`clip_band="adaptive"`), starting at the GSPO paper's 3e-4 / 4e-4 and moving after every optimizer step toward
+    clipping 15% of the tokens with a non-zero advantage, above the sampler's measured noise. Each sample is trained
+    once against the sampler's log-probs, so the band is the only trust region, and how far a stale sample has moved
+    depends on the model, the learning rate and the sample's age. The paper has no asynchronous setting; the default
+    follows the asynchronous band table (docs/gspo.md "A clip band set by the run"). `clip_band="fixed"` keeps the
+    paper's band (or the band set); setting `epsilon` / `epsilon_high` keeps the band given. TRL's asynchronous
+    trainer has no KL term and no reference model, so the paper's `beta=0` holds by construction. For `"grpo"` the
+    defaults are TRL's (`0.2`)."""
 
     loss_type: str = field(
         default="gspo",
