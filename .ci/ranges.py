@@ -17,7 +17,7 @@ from pathlib import Path
 from packaging.requirements import Requirement
 from packaging.version import Version
 
-PACKAGES = ("trl", "transformers", "accelerate", "peft", "datasets", "tokenizers", "deepspeed")
+PACKAGES = ("trl", "transformers", "accelerate", "peft", "datasets", "tokenizers", "safetensors", "deepspeed")
 
 
 def ranges() -> dict[str, Requirement]:

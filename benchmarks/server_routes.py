@@ -4,8 +4,8 @@ In server mode (`trl-gspo vllm-serve`) each completion's routes come back with v
 `[prompt + completion - 1, layers, top_k]` uint8 each, in one of two forms:
 - `json`: vLLM's own, base64 `.npy` text inside the JSON answer (`routed_experts`); what any `vllm serve
   --enable-return-routed-experts` sends, and what trl-gspo read before its route frame;
-- `bytes`: the route frame of `trl-gspo vllm-serve` (trl_gspo/sampling/route_wire.py): the JSON answer without the
-  routes, then the routes as raw bytes, each prompt's rows once for its completions.
+- `bytes`: the route frame of `trl-gspo vllm-serve` (trl_gspo/sampling/route_wire.py): one safetensors file holding
+  the JSON answer without the routes and the routes as raw bytes, each prompt's rows once for its completions.
 The main process receives the answer; TRL's `VLLMClient.generate` parses it; trl-gspo reads the routes, hands each
 rank the routes of the completions TRL keeps for it, and each rank checks them (`check_sampled_routes`).
 
@@ -47,7 +47,7 @@ from queue import Empty
 
 import numpy as np
 
-FRAME_VERSION = "frame2"  # cached answers of an older frame layout are not reused
+FRAME_VERSION = "frame3"  # cached answers of an older frame layout are not reused (frame3: safetensors)
 FORMS = ("plain", "json", "bytes")  # no routes (TRL's own round), vLLM's base64 in JSON, trl-gspo's route frame
 SIZES = {  # prompts, generations, prompt tokens, completion tokens, MoE layers, top_k, experts
     "small": (8, 8, 100, 900, 48, 8, 128),
@@ -104,9 +104,8 @@ def write_answer(path: Path, size: str, form: str) -> float:
     answer = json.dumps({"id": "cmpl-0", "object": "text_completion", "model": "m", "choices": choices}).encode()
     if form == "bytes":
         start = time.perf_counter()
-        chunks = encode_frame(answer, arrays)
+        answer = encode_frame(answer, arrays)
         encoding += time.perf_counter() - start
-        answer = b"".join(chunks)
     path.write_bytes(answer)
     return encoding
 

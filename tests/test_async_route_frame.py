@@ -39,8 +39,8 @@ def _answer(output, routed_experts):
 
 
 def _server(turns, form, headers_seen):
-    """A stand-in for the server: `form` "frame" answers as `trl-gspo vllm-serve` (the frame, sent in two writes as the
-    middleware sends it, with its length), "chunked frame" the same without a length (chunked transfer), "json" as
+    """A stand-in for the server: `form` "frame" answers as `trl-gspo vllm-serve` (the frame, sent in two writes, with
+    its length), "chunked frame" the same without a length (chunked transfer), "json" as
     vLLM (base64 routes in the JSON); "missing array" frames an answer that names an array the frame lacks, "cut
     routes" a frame whose route bytes stop short of its index."""
     by_prompt = {tuple(prompt): (output, routes) for prompt, output, routes in turns}
@@ -51,15 +51,15 @@ def _server(turns, form, headers_seen):
         if form == "json":
             return web.json_response(_answer(output, npy_base64(routes)))
         reference = "#1" if form == "missing array" else "#0"
-        head, route_bytes = route_wire.encode_frame(json.dumps(_answer(output, reference)).encode(), [routes])
+        frame = route_wire.encode_frame(json.dumps(_answer(output, reference)).encode(), [routes])
         if form == "cut routes":
-            route_bytes = route_bytes[:-LAYERS * TOP_K]
+            frame = frame[:-LAYERS * TOP_K]
         response = web.StreamResponse(headers={"Content-Type": route_wire.CONTENT_TYPE})
         if form != "chunked frame":
-            response.content_length = len(head) + len(route_bytes)
+            response.content_length = len(frame)
         await response.prepare(request)
-        for chunk in (head, route_bytes):
-            await response.write(bytes(chunk))
+        for chunk in (frame[:len(frame) // 2], frame[len(frame) // 2:]):
+            await response.write(chunk)
         await response.write_eof()
         return response
 
@@ -122,7 +122,7 @@ def test_the_rollout_loop_keeps_the_same_routes_from_a_frame_and_from_json():
 
 
 @pytest.mark.parametrize("form,message", [("missing array", "names routes #1 for a choice but holds 1"),
-                                          ("cut routes", "routes are missing")])
+                                          ("cut routes", "route frame: safetensors cannot read it")])
 def test_a_frame_without_the_routes_it_names_is_refused(form, message):
-    with pytest.raises(ValueError, match=message):
+    with pytest.raises(route_wire.RouteFrameError, match=message):
         _run_conversation(form)

@@ -150,6 +150,7 @@ def test_async_route_wire_compares_json_and_frame_side_by_side():
                  "--group", "2", "--repeats", "1")
     assert re.fullmatch(r"async_route_wire: \d+\.\d+ bytes, \d+\.\d+ decode \(json / frame\)", lines[-1]), lines[-1]
     assert any(line.startswith("RoutedRolloutLoop._post over loopback") for line in lines)
+    assert any(line.startswith("frame_codec (safetensors / hand-written): one sample: bytes") for line in lines)
 
 
 def test_sampler_likelihoods_compares_both_sources_of_pi_old(tmp_path):

@@ -165,13 +165,14 @@ def keep_engine_calls(trainer, engine, calls):
 
 
 def answer_choices(response):
-    """The choices of a /v1/completions answer, read by hand: vLLM's JSON, or trl-gspo's route frame (b"TRLGSPO1",
-    u64 length, the JSON answer, then the routes, which this script does not need). Reads `response.content`, which
-    the trainer's capture then reads again."""
+    """The choices of a /v1/completions answer: vLLM's JSON, or trl-gspo's route frame (a safetensors file whose
+    `answer` tensor holds the JSON answer; its routes this script does not need). Reads `response.content`, which the
+    trainer's capture then reads again."""
     body = response.content
     if response.headers.get("content-type", "").startswith("application/x-trl-gspo-routes"):
-        length = int.from_bytes(body[8:16], "little")
-        return json.loads(body[16:16 + length])["choices"]
+        from safetensors.numpy import load
+
+        return json.loads(load(body)["answer"].tobytes())["choices"]
     return json.loads(body)["choices"]
 
 

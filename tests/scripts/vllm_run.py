@@ -159,29 +159,24 @@ def lay_out(request_outputs, prompt_ids, prompt_mask, completion_ids, completion
 
 
 def decode_server_answer(body: bytes, content_type: str):
-    """[(choice, routes)] of a /v1/completions answer, decoded by hand, independently of trl_gspo: vLLM's JSON with
-    base64 `.npy` routes, or trl-gspo's route frame (b"TRLGSPO1", u64 length, JSON, u64 length, index, then each
-    array's rows after the ones it shares with the array before, ending with a no_route row)."""
+    """[(choice, routes)] of a /v1/completions answer, decoded independently of trl_gspo: vLLM's JSON with base64
+    `.npy` routes, or trl-gspo's route frame, a safetensors file read with safetensors (`answer`: the JSON; `shared`
+    and `routes.<i>`: each array's rows after the ones it shares with the array before, ending with a no_route row)."""
     import base64
     import io
 
     import numpy as np
+    from safetensors.numpy import load
 
     if not content_type.startswith("application/x-trl-gspo-routes"):
         answer = json.loads(body)
         return [(choice, np.load(io.BytesIO(base64.b64decode(choice["routed_experts"]))))
                 for choice in answer["choices"]]
-    assert body[:8] == b"TRLGSPO1"
-    length = int.from_bytes(body[8:16], "little")
-    answer, position = json.loads(body[16:16 + length]), 16 + length
-    length = int.from_bytes(body[position:position + 8], "little")
-    index, data = json.loads(body[position + 8:position + 8 + length]), body[position + 8 + length:]
-    arrays = []
-    for entry in index:
-        rows, *row_shape = entry["shape"]
-        own = np.frombuffer(data, dtype=entry["dtype"], count=(rows - entry["shared"]) * int(np.prod(row_shape)),
-                            offset=entry["offset"]).reshape(rows - entry["shared"], *row_shape)
-        arrays.append(np.concatenate([arrays[-1][:entry["shared"]], own]) if entry["shared"] else own)
+    tensors = load(body)
+    answer, arrays = json.loads(tensors["answer"].tobytes()), []
+    for i, shared in enumerate(tensors["shared"].tolist()):
+        own = tensors[f"routes.{i}"]
+        arrays.append(np.concatenate([arrays[-1][:shared], own]) if shared else own)
         assert (arrays[-1][-1] == np.iinfo(arrays[-1].dtype).max).all()  # the frame's no_route row
     return [(choice, arrays[int(choice["routed_experts"][1:])][:-1]) for choice in answer["choices"]]
 

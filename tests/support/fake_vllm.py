@@ -91,7 +91,7 @@ class FakeSession:
                                 "routed_experts": routes})
         answer = {"choices": choices}
         if framed:
-            content = b"".join(route_wire.encode_frame(jsonlib.dumps(answer).encode(), arrays))
+            content = route_wire.encode_frame(jsonlib.dumps(answer).encode(), arrays)
             return SimpleNamespace(ok=True, headers={"content-type": route_wire.CONTENT_TYPE}, content=content,
                                    raise_for_status=lambda: None)
         return SimpleNamespace(ok=True, headers={"content-type": "application/json"}, json=lambda: answer,

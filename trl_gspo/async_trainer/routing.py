@@ -28,7 +28,7 @@ import torch
 from trl.experimental.async_grpo.async_rollout_worker import RolloutSample, _AsyncRolloutLoop
 
 from ..routing.stitching import first_computation_spans
-from ..sampling.route_wire import CONTENT_TYPE, HEADER, Frame, receive_buffer
+from ..sampling.route_wire import CONTENT_TYPE, HEADER, Frame
 from ..sampling.routes import decode_server_routes
 from ..sampling.server import FramedRoute, framed_completions_answer, json_completions_answer
 
@@ -121,22 +121,9 @@ class RoutedRolloutLoop(_AsyncRolloutLoop):
 
 
 async def _read_frame(response) -> Frame:
-    """The route frame of an aiohttp response, read straight into one writable buffer of its length
-    (`route_wire.receive_buffer`) so that its routes are used in place; a body of unknown or encoded length is read
-    whole and copied once."""
-    length = response.content_length
-    if length is None or response.headers.get("content-encoding"):
-        return Frame.parse(await response.read())
-    buffer = receive_buffer(length)
-    view, received = memoryview(buffer), 0
-    async for chunk in response.content.iter_any():
-        view[received:received + len(chunk)] = chunk
-        received += len(chunk)
-    if received < length:
-        import aiohttp
-
-        raise aiohttp.ClientPayloadError(f"the route frame ended after {received} of {length} bytes")
-    return Frame.parse(buffer)
+    """The route frame of an aiohttp response: its body as one `bytes` object (aiohttp's `read`, which raises
+    `ClientPayloadError` for a body cut short), read by safetensors."""
+    return Frame.parse(await response.read())
 
 
 def packed_routes(row, routes: list[np.ndarray | None], layers: int, top_k: int, dtype=torch.uint8):

@@ -1,19 +1,25 @@
-"""R3's routes from `trl-gspo vllm-serve` to the trainer as raw bytes: one framed answer per `/v1/completions` call.
+"""R3's routes from `trl-gspo vllm-serve` to the trainer as raw bytes: one route frame per `/v1/completions` call.
 
 vLLM's server writes each completion's `routed_experts` into its JSON answer as base64 of a `.npy` file: at the
 flagship's size (512 completions of ~4.3k tokens, 48 layers x top-8) 1.1 GB of text for 0.85 GB of uint8, a base64
 decode per choice and a JSON parse of all of it. Here the server's answer keeps TRL's JSON as it is, minus the routes
-(each choice's `routed_experts` becomes a short reference, `"#<i>"`), followed by the routes as raw bytes:
+(each choice's `routed_experts` becomes a short reference, `"#<i>"`), and sends it with the routes as raw bytes in
+one safetensors file (https://huggingface.co/docs/safetensors), written and read by the safetensors library
+(`safetensors.numpy.save` / `load`; its parser checks that the header and the buffers add up):
 
-    b"TRLGSPO1" | u64 length | the JSON answer | u64 length | index (JSON) | the route bytes
+    answer      uint8 [bytes]                         TRL's JSON answer, routes replaced by references
+    shared      int64 [arrays]                        per array, its leading rows equal to the previous array's
+    routes.<i>  integer [rows - shared, layers, top_k]  array i's own rows: its rows after `shared`
 
 vLLM's array for a completion is `[prompt + completion - 1, layers, top_k]` (the last token is never fed forward).
 The frame stores it with one more row, `no_route` (the dtype's maximum, `trl_gspo.routing.rollout.no_route`), so
 that rows `prompt .. prompt + completion` are exactly the completion's routes as R3 keeps them, and the trainer uses
-them in place, without a copy. The index lists one entry per array in choice order: dtype, shape `[rows, layers,
-top_k]` (with that row) and `shared`, the number of leading rows equal to the previous array's (the server compares
-each array with the one before; the `n` completions of a prompt share its prompt's rows, which are then sent once).
-An array's bytes are its rows after `shared`.
+them in place, without a copy. `shared`: the server compares each array with the one before; the `n` completions of
+a prompt share its prompt's rows, which are then sent once. `Frame.parse` refuses, with a `RouteFrameError`, a frame
+safetensors refuses (cut short, a header too large or inconsistent) and one whose tensors are not the above: missing
+or extra tensors, a dtype other than integers, a shape other than 3-D, a `shared` that names rows no array before
+holds, a last row other than `no_route`, negative expert indices, an answer that is not JSON or names an array the
+frame lacks.
 
 Only a request that asks for it gets the frame (header `X-TRL-GSPO-Routes: 1`, which the trainer's client adds);
 every other client, stock TRL's included, gets vLLM's JSON answer unchanged. `trl-gspo vllm-serve` loads
@@ -24,18 +30,25 @@ without that encoder answers with JSON, and the trainer says so once and reads t
 
 from __future__ import annotations
 
+import asyncio
 import contextvars
 import json
-import struct
 
 import numpy as np
+import safetensors.numpy
+from safetensors import SafetensorError
 
-MAGIC = b"TRLGSPO1"
 HEADER = "X-TRL-GSPO-Routes"  # request header asking for the frame
 CONTENT_TYPE = "application/x-trl-gspo-routes"
-_LENGTH = struct.Struct("<Q")
 
 _stored: contextvars.ContextVar[list | None] = contextvars.ContextVar("trl_gspo_routes", default=None)
+
+
+class RouteFrameError(ValueError):
+    """A route frame that cannot be read; the message starts with "route frame:" and says what is wrong."""
+
+    def __init__(self, problem: str):
+        super().__init__(f"route frame: {problem}")
 
 
 def shared_rows(previous: np.ndarray | None, current: np.ndarray, block: int = 256) -> int:
@@ -53,131 +66,169 @@ def shared_rows(previous: np.ndarray | None, current: np.ndarray, block: int = 2
     return rows
 
 
-def encode_frame(answer_json: bytes, arrays: list[np.ndarray]) -> list:
-    """The frame for a JSON answer and its choices' vLLM route arrays (in choice order), as two chunks to send in
-    turn: the head and the route bytes (written once, into one buffer)."""
-    index, offset, previous = [], 0, None
-    arrays = [np.ascontiguousarray(array) for array in arrays]
-    for array in arrays:
-        shared = shared_rows(previous, array)
-        entry = {"dtype": array.dtype.str, "shape": [len(array) + 1, *array.shape[1:]], "shared": shared,
-                 "offset": offset}
-        index.append(entry)
-        offset += _nbytes(entry, len(array) + 1 - shared)
-        previous = array
-    routes = bytearray(offset)
-    for array, entry in zip(arrays, index):
-        rows = entry["shape"][0] - entry["shared"]
-        target = np.frombuffer(routes, dtype=array.dtype, count=rows * int(np.prod(array.shape[1:])),
-                               offset=entry["offset"]).reshape(rows, *array.shape[1:])
-        target[:-1] = array[entry["shared"]:]
-        target[-1] = np.iinfo(array.dtype).max  # no_route: the row R3 keeps for the last token
-    index_json = json.dumps(index).encode()
-    head = MAGIC + _LENGTH.pack(len(answer_json)) + answer_json + _LENGTH.pack(len(index_json)) + index_json
-    return [head, routes]
+def encode_frame(answer_json: bytes, arrays: list[np.ndarray]) -> bytes:
+    """The frame of a JSON answer and its choices' vLLM route arrays (in choice order)."""
+    tensors, shared, previous = {"answer": np.frombuffer(answer_json, dtype=np.uint8)}, [], None
+    for i, array in enumerate(arrays):
+        shared.append(shared_rows(previous, array))
+        own = np.empty((len(array) + 1 - shared[-1], *array.shape[1:]), dtype=array.dtype)
+        own[:-1] = array[shared[-1]:]
+        own[-1] = np.iinfo(array.dtype).max  # no_route: the row R3 keeps for the last token
+        tensors[f"routes.{i}"], previous = own, array
+    tensors["shared"] = np.array(shared, dtype=np.int64)
+    return safetensors.numpy.save(tensors)
 
 
-def _nbytes(entry: dict, rows: int) -> int:
-    return rows * int(np.prod(entry["shape"][1:])) * np.dtype(entry["dtype"]).itemsize
+def _load(content) -> dict[str, np.ndarray]:
+    """The frame's tensors as safetensors reads them (writable arrays, one copy of the bytes)."""
+    try:
+        return safetensors.numpy.load(content if isinstance(content, bytes) else bytes(content))
+    except (SafetensorError, KeyError, ValueError) as error:  # KeyError: a dtype numpy lacks (bfloat16, float8)
+        raise RouteFrameError(f"safetensors cannot read it ({type(error).__name__}: {error}): cut short, corrupt, "
+                              "or not a route frame (a server of another trl-gspo version)") from None
+
+
+def _answer(data: np.ndarray, arrays: int) -> dict:
+    """TRL's JSON answer of a frame holding `arrays` route arrays, its references to them checked."""
+    try:
+        answer = json.loads(data.tobytes())
+    except (ValueError, RecursionError) as error:  # not UTF-8, not JSON, or nested past Python's stack
+        raise RouteFrameError(f"its answer is not JSON ({type(error).__name__}: {error})") from None
+    choices = answer.get("choices") if isinstance(answer, dict) else None
+    if not isinstance(choices, list) or not all(isinstance(choice, dict) for choice in choices):
+        raise RouteFrameError("its answer is not a JSON object with a list of choices")
+    for choice in choices:
+        index = reference_index(choice.get("routed_experts"))
+        if index is not None and index >= arrays:
+            raise RouteFrameError(f"its answer names routes #{index} for a choice but holds {arrays} route array(s) "
+                                  "(a server whose route encoder and answer disagree: a `trl-gspo vllm-serve` of "
+                                  "another version)")
+    return answer
+
+
+def _check_routes(name: str, own: np.ndarray) -> None:
+    """Route array `name`'s own rows as R3 uses them: integer indices `[rows, layers, top_k]`, in range, the last
+    row `no_route`."""
+    if not np.issubdtype(own.dtype, np.integer):
+        raise RouteFrameError(f"{name} has dtype {own.dtype}; expert indices are integers")
+    if own.ndim != 3 or 0 in own.shape:
+        raise RouteFrameError(f"{name} has shape {list(own.shape)}; expected [rows >= 1, layers >= 1, top_k >= 1]")
+    no_route = np.iinfo(own.dtype).max
+    if not (own[-1] == no_route).all():
+        raise RouteFrameError(f"{name}'s last row is not no_route ({no_route}), the row R3 keeps for the last token")
+    if own.dtype.kind == "i" and own.min() < 0:  # unsigned indices are all in range, 0 .. no_route
+        raise RouteFrameError(f"{name} holds expert indices out of range: {int(own.min())}")
+
+
+def _check_shared(name: str, shared: int, own: np.ndarray, before: dict | None) -> None:
+    """`shared` leading rows of route array `name` taken from the array `before` it (None: the first)."""
+    if shared == 0:
+        return
+    if shared < 0:
+        raise RouteFrameError(f"{name} claims a negative count of shared rows, {shared}")
+    if before is None:
+        raise RouteFrameError(f"{name} claims {shared} rows shared with an array before it, which it lacks")
+    if before["dtype"] != own.dtype.str or before["shape"][1:] != list(own.shape[1:]) or \
+            shared > before["shape"][0] - 1:
+        raise RouteFrameError(f"{name} claims {shared} rows shared with the array before it, which holds "
+                              f"{before['shape'][0] - 1} rows of {before['shape'][1:]} {np.dtype(before['dtype'])} "
+                              f"(this one: {list(own.shape[1:])} {own.dtype})")
 
 
 class Frame:
-    """Received routes: `index` (one entry per array, module docstring) and the arrays' bytes, read in place (`rows`:
-    a view of the buffer unless the rows span arrays). `answer` is TRL's JSON answer (each choice's
-    `routed_experts` a `"#<i>"` reference) for a frame parsed from a response, None for a part handed to a rank.
-    Give a writable buffer (a bytearray) so the views are writable torch tensors."""
+    """Received routes: `index` (per array: dtype, shape `[rows, layers, top_k]` with its `no_route` row, `shared`)
+    and each array's own rows (writable arrays, read in place: `rows` is a view unless the rows span arrays).
+    `answer` is TRL's JSON answer (each choice's `routed_experts` a `"#<i>"` reference) for a frame parsed from a
+    response, None for a part handed to a rank."""
 
-    def __init__(self, index: list[dict], routes, answer: dict | None = None):
-        self.index, self.answer, self._routes = index, answer, memoryview(routes)
+    def __init__(self, index: list[dict], own: list[np.ndarray], answer: dict | None = None):
+        self.index, self.answer, self._own = index, answer, own
 
     @classmethod
     def parse(cls, content) -> Frame:
-        """A whole frame as the server sent it (read-only `bytes` are copied into a bytearray: writable views). A frame
-        whose index names more route bytes than follow it is refused here, not when an array is first read."""
-        view = memoryview(content if not isinstance(content, bytes) else bytearray(content))
-        if bytes(view[:len(MAGIC)]) != MAGIC:
-            raise ValueError("not a trl-gspo route frame (the server answered something else)")
-        position = len(MAGIC)
-        (length,) = _LENGTH.unpack_from(view, position)
-        answer = json.loads(bytes(view[position + 8:position + 8 + length]))
-        position += 8 + length
-        (length,) = _LENGTH.unpack_from(view, position)
-        index = json.loads(bytes(view[position + 8:position + 8 + length]))
-        routes = view[position + 8 + length:]
-        needed = max((entry["offset"] + _nbytes(entry, entry["shape"][0] - entry["shared"]) for entry in index),
-                     default=0)
-        if needed > len(routes):
-            raise ValueError(f"a route frame whose index names {needed} bytes of routes holds {len(routes)}: its "
-                             "routes are missing (a frame cut short, or a server that encodes them differently)")
-        return cls(index, routes, answer)
+        """A whole frame as the server sent it (`bytes`, which safetensors reads; another buffer is copied once),
+        checked (module docstring): a frame that is not one raises `RouteFrameError` here, not when it is used."""
+        tensors = _load(content)
+        for name, dtype in (("answer", np.uint8), ("shared", np.int64)):
+            if name not in tensors or tensors[name].dtype != dtype or tensors[name].ndim != 1:
+                raise RouteFrameError(f"no 1-D {np.dtype(dtype)} tensor `{name}` (tensors: {sorted(tensors)[:8]})")
+        shared = tensors["shared"].tolist()
+        expected = {"answer", "shared", *(f"routes.{i}" for i in range(len(shared)))}
+        if tensors.keys() != expected:
+            missing, extra = sorted(expected - tensors.keys())[:8], sorted(tensors.keys() - expected)[:8]
+            raise RouteFrameError(f"`shared` counts {len(shared)} route arrays, routes.0 .. routes.{len(shared) - 1}; "
+                                  f"missing tensors {missing}, extra tensors {extra}")
+        index, own = [], []
+        for i, count in enumerate(shared):
+            name, rows = f"routes.{i}", tensors[f"routes.{i}"]
+            _check_routes(name, rows)
+            _check_shared(name, count, rows, index[-1] if index else None)
+            index.append({"dtype": rows.dtype.str, "shape": [count + len(rows), *rows.shape[1:]], "shared": count})
+            own.append(rows)
+        return cls(index, own, _answer(tensors["answer"], len(own)))
+
+    @classmethod
+    def from_buffer(cls, index: list[dict], buffer) -> Frame:
+        """A part of a frame (`part`) as a rank receives it: its arrays' own rows one after another in `buffer`
+        (`nbytes` each), read in place."""
+        own, offset = [], 0
+        for entry in index:
+            rows, *row_shape = entry["shape"]
+            dtype = np.dtype(entry["dtype"])
+            own.append(np.frombuffer(buffer, dtype=dtype, count=entry["nbytes"] // dtype.itemsize, offset=offset)
+                       .reshape(rows - entry["shared"], *row_shape))
+            offset += entry["nbytes"]
+        return cls(index, own)
 
     def own_rows(self, i: int) -> np.ndarray:
-        """Array `i`'s rows after its shared ones, a view of the frame's bytes."""
-        entry = self.index[i]
-        rows, *row_shape = entry["shape"]
-        data = self._routes[entry["offset"]:entry["offset"] + _nbytes(entry, rows - entry["shared"])]
-        return np.frombuffer(data, dtype=np.dtype(entry["dtype"])).reshape(rows - entry["shared"], *row_shape)
+        """Array `i`'s rows after its shared ones, as received."""
+        return self._own[i]
 
     def rows(self, i: int, start: int, stop: int) -> np.ndarray:
         """Rows `start:stop` of array `i`, following shared rows back through the arrays before it."""
         parts, end = [], stop
         while end > start:
             shared = self.index[i]["shared"]
-            if end > shared:  # the rows from max(start, shared) come from array i's own bytes
-                parts.append(self.own_rows(i)[max(start, shared) - shared:end - shared])
+            if end > shared:  # the rows from max(start, shared) come from array i's own rows
+                parts.append(self._own[i][max(start, shared) - shared:end - shared])
                 end = max(start, shared)
             if end > start:
                 i -= 1  # the rest are shared with the array before
                 if i < 0:
-                    raise ValueError("a route frame's first array claims rows shared with none before it")
+                    raise RouteFrameError("its first array claims rows shared with none before it")
         if len(parts) == 1:
             return parts[0]
-        return np.concatenate(parts[::-1]) if parts else self.own_rows(i)[:0]
+        return np.concatenate(parts[::-1]) if parts else self._own[i][:0]
 
     def array(self, i: int) -> np.ndarray:
         """Array `i` as vLLM returned it (without the frame's last `no_route` row)."""
         return self.rows(i, 0, self.index[i]["shape"][0] - 1)
 
     def part(self, first: int, last: int) -> tuple[list[dict], np.ndarray]:
-        """Arrays `first..last` as a frame of their own (index, bytes) for the rank that uses them: the first array's
-        shared rows resolved, the others' own bytes as they are (one copy of their share)."""
-        head = self.rows(first, 0, self.index[first]["shape"][0])
-        start = self.index[first + 1]["offset"] if last > first else 0
-        stop = (self.index[last]["offset"] + _nbytes(self.index[last], self.index[last]["shape"][0]
-                                                      - self.index[last]["shared"])) if last > first else 0
-        data = np.empty(head.nbytes + stop - start, dtype=np.uint8)
-        data[:head.nbytes] = head.reshape(-1).view(np.uint8)
-        data[head.nbytes:] = np.frombuffer(self._routes[start:stop], dtype=np.uint8)
-        index = [{**self.index[first], "shared": 0, "offset": 0}]
-        for entry in self.index[first + 1:last + 1]:
-            index.append({**entry, "offset": entry["offset"] - start + head.nbytes})
+        """Arrays `first..last` as a frame of their own for the rank that uses them (`from_buffer`): their index
+        (each entry with its `nbytes`) and their own rows in one flat uint8 buffer, the first array's shared rows
+        resolved (one copy of their share)."""
+        own = [self.rows(first, 0, self.index[first]["shape"][0]), *self._own[first + 1:last + 1]]
+        index = [{**self.index[first], "shared": 0}, *(dict(entry) for entry in self.index[first + 1:last + 1])]
+        data, offset = np.empty(sum(rows.nbytes for rows in own), dtype=np.uint8), 0
+        for entry, rows in zip(index, own):
+            entry["nbytes"] = rows.nbytes
+            data[offset:offset + rows.nbytes] = np.ascontiguousarray(rows).reshape(-1).view(np.uint8)
+            offset += rows.nbytes
         return index, data
 
 
 def reference_index(reference) -> int | None:
     """The array index of a choice's `routed_experts` reference `"#<i>"`, or None for anything else."""
-    if isinstance(reference, str) and reference.startswith("#") and reference[1:].isdigit():
+    if isinstance(reference, str) and reference.startswith("#") and reference[1:].isascii() and \
+            reference[1:].isdigit():
         return int(reference[1:])
     return None
 
 
-def receive_buffer(size: int):
-    """A writable buffer of `size` bytes for a frame. Linux: anonymous memory mapped with MAP_POPULATE, its pages
-    mapped in one call rather than one fault per 4 KiB page on first write, which makes copying a frame into it
-    faster than into a fresh bytearray (docs/results.md#r3s-routes-in-server-mode-at-the-flagships-size); elsewhere a
-    bytearray."""
-    import mmap
-
-    populate = getattr(mmap, "MAP_POPULATE", None)
-    if populate is None or size == 0:
-        return bytearray(size)
-    return mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | populate)
-
-
 def frame_routes(response) -> Frame | None:
     """The frame of a `requests` response from `trl-gspo vllm-serve`, or None for a JSON answer. A response opened
-    with `stream=True` is read straight into one bytearray of its length (the route bytes are then used in place);
-    one already read is copied once into a bytearray."""
+    with `stream=True` is read in one call of its length into one `bytes` object, which safetensors reads."""
     headers = response.headers
     if not headers.get("content-type", "").startswith(CONTENT_TYPE):
         return None
@@ -185,22 +236,24 @@ def frame_routes(response) -> Frame | None:
     if getattr(response, "_content_consumed", True) or raw is None or headers.get("content-encoding") or \
             "content-length" not in headers:
         return Frame.parse(response.content)
-    buffer = receive_buffer(int(headers["content-length"]))
-    view, received = memoryview(buffer), 0
+    length, body = int(headers["content-length"]), b""
     try:
-        while received < len(buffer):
-            count = raw.readinto(view[received:])
-            if not count:
-                raise EOFError("the connection closed")
-            received += count
+        body = raw.read(length)
     except Exception as error:  # as requests reports a body cut short, for the trainer's server error
-        try:
-            from requests.exceptions import ChunkedEncodingError as cut_short
-        except ImportError:  # no TRL client here either (a unit test): the builtin
-            cut_short = ConnectionError
-        raise cut_short(f"the route frame ended after {received} of {len(buffer)} bytes ({error})") from error
+        raise _cut_short(len(body), length, error) from error
+    if len(body) < length:
+        raise _cut_short(len(body), length, "the connection closed")
     response._content_consumed = True
-    return Frame.parse(buffer)
+    return Frame.parse(body)
+
+
+def _cut_short(received: int, length: int, cause) -> Exception:
+    """The error requests raises for a body cut short (the builtin ConnectionError without requests: a unit test)."""
+    try:
+        from requests.exceptions import ChunkedEncodingError as cut_short
+    except ImportError:
+        cut_short = ConnectionError
+    return cut_short(f"the route frame ended after {received} of {length} bytes ({cause})")
 
 
 # --- server side: loaded into vLLM's API server by `--middleware trl_gspo.sampling.route_wire.BinaryRoutes` ---
@@ -284,15 +337,15 @@ class BinaryRoutes:
                 await send(start)
                 await send({"type": "http.response.body", "body": answer})
                 return
-            chunks = encode_frame(answer, arrays)
+            # in a worker thread: safetensors writes the frame mostly without the GIL, so vLLM's server keeps serving
+            frame = await asyncio.to_thread(encode_frame, answer, arrays)
             arrays.clear()
             headers = [(name, value) for name, value in start.get("headers", [])
                        if name.lower() not in (b"content-length", b"content-type")]
             headers += [(b"content-type", CONTENT_TYPE.encode()),
-                        (b"content-length", str(sum(map(len, chunks))).encode())]
+                        (b"content-length", str(len(frame)).encode())]
             await send({**start, "headers": headers})
-            for i, chunk in enumerate(chunks):
-                await send({"type": "http.response.body", "body": chunk, "more_body": i < len(chunks) - 1})
+            await send({"type": "http.response.body", "body": frame})
 
         try:
             await self.app(scope, receive, keep)

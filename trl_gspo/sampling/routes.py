@@ -280,7 +280,7 @@ def hand_out_choices(choices: list[dict], counts: list[int], accelerator) -> lis
                 incoming = torch.empty(len(buffer), dtype=torch.uint8, device=device)
                 dist.recv(incoming, src=0)
                 flat.copy_(incoming.cpu())
-            frame = Frame(index, buffer)
+            frame = Frame.from_buffer(index, buffer)
             for choice in part:
                 if isinstance(choice["routed_experts"], int):
                     choice["routed_experts"] = FramedRoute(frame, choice["routed_experts"])
@@ -300,9 +300,6 @@ def hand_out_choices(choices: list[dict], counts: list[int], accelerator) -> lis
                                        "answers or out of order. Fix: report this with your TRL version; set "
                                        "routing_replay='old'.")
                 index, data = frame.part(first, first + len(framed) - 1)
-                ends = [entry["offset"] for entry in index[1:]] + [len(data)]
-                for entry, end in zip(index, ends):
-                    entry["nbytes"] = end - entry["offset"]
             part = []
             for choice in choices[start:stop]:
                 routes = choice.get("routed_experts")

@@ -115,17 +115,12 @@ def json_completions_answer(body: dict, base_url: str = "the server") -> dict:
 
 def framed_completions_answer(frame) -> dict:
     """The JSON answer of a received route frame, each choice's `routed_experts` reference `"#<i>"` replaced by a
-    `FramedRoute`. A reference to an array the frame does not hold is refused here, where the answer arrives, rather
-    than as an index error when the routes are first read."""
+    `FramedRoute` (`Frame.parse` refused a reference to an array the frame does not hold)."""
     from .route_wire import reference_index
 
     for choice in frame.answer.get("choices", []):
         index = reference_index(choice.get("routed_experts"))
         if index is not None:
-            if index >= len(frame.index):
-                raise ValueError(f"routing_replay='sampler': the server's route frame names routes #{index} for a "
-                                 f"choice but holds {len(frame.index)} route array(s). Cause: a server whose route "
-                                 "encoder and answer disagree (a `trl-gspo vllm-serve` of another version).")
             choice["routed_experts"] = FramedRoute(frame, index)
     return frame.answer
 
