@@ -39,6 +39,9 @@ def metric_sums(out, mask, entropies, policy_loss, per_token_kl=None, aux_loss=N
     return sums
 
 
+PER_SEQUENCE_COLUMNS = 5  # `per_sequence_values`'s columns; a caller's extra columns follow them
+
+
 def per_sequence_values(out, mask) -> torch.Tensor:
     """`[sequences, 5]`: low-clipped, high-clipped, clipped, log s_i, non-empty. A sequence counts as clipped if its
     ratio was (for gspo_token with per-token advantages: if any of its tokens was)."""

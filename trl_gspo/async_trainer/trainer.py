@@ -374,7 +374,7 @@ class AsyncGSPOTrainer(AsyncGRPOTrainer):
                                         out.behaviour_log_weight.float().abs()], 1))
         if band_columns is not None:  # the adaptive band's, after them; its 4 statistics come last in `row_stats`
             columns.append(band_columns)
-        band_first = 5 + 4 * weighted
+        band_first = gspo_metrics.PER_SEQUENCE_COLUMNS + 4 * weighted
 
         def row_stats(rows, present):
             stats = [self._weight_stats(rows, present, buckets)] if weighted else []

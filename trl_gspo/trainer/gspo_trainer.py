@@ -50,6 +50,10 @@ _FORWARD_BATCH_KEYS = tuple(
 )
 
 
+def _band_row_stats(rows, present):  # the band's columns follow `metrics.per_sequence_values`'s
+    return band_stats(rows, present, gspo_metrics.PER_SEQUENCE_COLUMNS)
+
+
 class GSPOTrainer(CheckpointMixin, ToolTurnsMixin, GRPOTrainer):
     """Drop-in replacement for `trl.GRPOTrainer` that adds `loss_type="gspo"` and `loss_type="gspo_token"`.
 
@@ -313,12 +317,10 @@ class GSPOTrainer(CheckpointMixin, ToolTurnsMixin, GRPOTrainer):
         """Into TRL's `_metrics` (`metrics.read_to_host`): one reduce, one gather, one host read with the NaN/Inf counts
         of the loss inputs, so a non-finite input raises before backward on every rank (the counts are summed). With
         the adaptive band's `band_columns`, its statistics come back in the same read (`read.row_stats`)."""
-        first = 5  # the band's columns follow `metrics.per_sequence_values`'s five
         read = gspo_metrics.read_to_host(self.accelerator, out, mask, entropies, policy_loss, nonfinite,
                                          per_token_kl=per_token_kl, aux_loss=aux_loss,
                                          with_delta=self.args.delta is not None, extra_columns=band_columns,
-                                         row_stats=None if band_columns is None else
-                                         (lambda rows, present: band_stats(rows, present, first)))
+                                         row_stats=None if band_columns is None else _band_row_stats)
         for name, value in read.values.items():
             self._metrics[mode][name].append(value)
         return read
