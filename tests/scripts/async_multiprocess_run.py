@@ -5,11 +5,12 @@ micro-batch (gradient accumulation 2). A two-process run must reproduce the one-
 gathered metrics and weights (each completion weighs 1 / the step's completions).
 
 With `--nan-at-step S --nan-rank R`, rank R's sampler log-probs hold a NaN at optimizer step S (0-based): every rank
-must stop there with the same error, each printing `RANK r ERROR <message>`; the logs of the steps before it are
-printed as usual.
+must stop there with the same error; the logs of the steps before it are kept as usual.
 
     accelerate launch [options] async_multiprocess_run.py OUT_DIR MODEL_DIR --loss-type gspo [--routing-replay]
-Prints `RESULT {json}`.
+Each rank writes OUT_DIR/rank<r>.json: `{"error": <message or null>}`, and on the main process also `world_size`,
+`checksum` and `logs`. Files, not stdout: the ranks share one pipe, and a line printed by one can land inside the
+other's.
 """
 
 import argparse
@@ -121,24 +122,24 @@ def main():
             return compute_loss(model, inputs, *args, **kwargs)
 
         trainer.compute_loss = poisoned
+    error = None
     try:
         trainer.train()
-    except ValueError as error:
-        sys.stdout.write(f"RANK {rank} ERROR {error}\n")  # one write: the other rank prints into the same pipe
-        sys.stdout.flush()
-        failed = True
-    else:
-        failed = False
+    except ValueError as raised:
+        error = str(raised)
+    report = {"error": error}
     logs = [h for h in trainer.state.log_history if "loss" in h]
     checksum = sum(float(p.detach().double().abs().sum()) for p in trainer.model.parameters())
     if trainer.accelerator.is_main_process:
         keep = ("loss", "grad_norm", "clip_ratio/region_mean", "gspo/ratio_mean", "gspo/clipped_token_fraction",
                 "routing/replay_drift", "routing/unrouted_token_fraction", "ratio", "entropy")
-        print("RESULT " + json.dumps({"world_size": trainer.accelerator.num_processes, "checksum": checksum,
-                                      "logs": [{k: h[k] for k in keep if k in h} for h in logs]}), flush=True)
-    # Every rank has printed before any exits: the launcher stops the other ranks as soon as one exits with an error
+        report.update(world_size=trainer.accelerator.num_processes, checksum=checksum,
+                      logs=[{k: h[k] for k in keep if k in h} for h in logs])
+    Path(options.out_dir).mkdir(parents=True, exist_ok=True)
+    Path(options.out_dir, f"rank{rank}.json").write_text(json.dumps(report))
+    # Every rank has written before any exits: the launcher stops the other ranks as soon as one exits with an error
     trainer.accelerator.wait_for_everyone()
-    sys.exit(1 if failed else 0)
+    sys.exit(1 if error is not None else 0)
 
 
 if __name__ == "__main__":
