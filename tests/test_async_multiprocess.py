@@ -2,7 +2,8 @@
 into one packed row per rank, and the loss (a mean over the optimizer step's completions, every rank's and every
 micro-batch's), the gathered metrics and the replay counts must come out as on one process, which splits the same
 step into micro-batches of other sizes (tests/scripts/async_multiprocess_run.py). A NaN in one rank's inputs at the
-third step must stop every rank there with the same error, not leave the others waiting in a collective."""
+third step, or a weight sync failing on the main process, must stop every rank there with the same error, not leave
+the others waiting in a collective."""
 
 import json
 import socket
@@ -20,27 +21,32 @@ TWO = ["--config_file", str(Path(__file__).parents[1] / "recipes" / "accelerate"
        "2"]
 
 
-def _launch(out_dir, launch_args, model_dir, nan_rank):
+def _launch(out_dir, launch_args, model_dir, *failure, expected=("`old_logps` contains 1 NaN/Inf value(s)",
+                                                                "Lower the learning rate")):
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
     command = [sys.executable, "-m", "accelerate.commands.launch", *launch_args, "--main_process_port", str(port),
-               str(SCRIPT), str(out_dir), str(model_dir), "--loss-type", "gspo", "--routing-replay",
-               "--nan-at-step", "2", "--nan-rank", str(nan_rank)]
+               str(SCRIPT), str(out_dir), str(model_dir), "--loss-type", "gspo", "--routing-replay", *failure]
     # The timeout bounds a hang: without the joint check, the other rank would wait in the next collective.
     result = subprocess.run(command, capture_output=True, text=True, timeout=300,
                             env=cpu_env(OMP_NUM_THREADS="1", TRL_EXPERIMENTAL_SILENCE="1"))
     assert result.returncode != 0, result.stdout[-3000:]
     world = 2 if "--config_file" in launch_args else 1
-    reports = [json.loads((out_dir / f"rank{rank}.json").read_text()) for rank in range(world)]
-    assert all(r["error"] and "`old_logps` contains 1 NaN/Inf value(s)" in r["error"]
-               and "Lower the learning rate" in r["error"] for r in reports), [r["error"] for r in reports]
+    reports = []
+    for rank in range(world):  # each rank stopped with an error of its own, not ended by the launcher
+        path = out_dir / f"rank{rank}.json"
+        assert path.exists(), f"rank {rank} wrote no report:\n{result.stderr[-3000:]}"
+        reports.append(json.loads(path.read_text()))
+    errors = [r["error"] for r in reports]
+    assert all(e and all(part in e for part in expected) for e in errors) and len(set(errors)) == 1, errors
     return reports[0]
 
 
 def test_two_processes_train_the_packed_micro_batch_as_one(tmp_path, tiny_moe_dir):
-    one = _launch(tmp_path / "one", ONE, tiny_moe_dir, nan_rank=0)
-    two = _launch(tmp_path / "two", TWO, tiny_moe_dir, nan_rank=1)  # the NaN on rank 1 only: rank 0 stops too
+    one = _launch(tmp_path / "one", ONE, tiny_moe_dir, "--nan-at-step", "2", "--nan-rank", "0")
+    # the NaN on rank 1 only: rank 0 stops too
+    two = _launch(tmp_path / "two", TWO, tiny_moe_dir, "--nan-at-step", "2", "--nan-rank", "1")
     assert (one["world_size"], two["world_size"]) == (1, 2) and len(one["logs"]) == len(two["logs"]) == 2
     first, other = one["logs"][0], two["logs"][0]  # same weights, same samples: equal up to float32 rounding
     assert other["loss"] == pytest.approx(first["loss"], rel=1e-5)
@@ -57,3 +63,10 @@ def test_two_processes_train_the_packed_micro_batch_as_one(tmp_path, tiny_moe_di
     assert 0 < first["clip_ratio/region_mean"] < 1
     # Later steps follow Adam from gradients equal to ~1e-5: the weights stay together, not bit for bit.
     assert two["checksum"] == pytest.approx(one["checksum"], rel=1e-5)
+
+
+def test_a_weight_sync_failing_on_the_main_process_stops_both_ranks(tmp_path, tiny_moe_dir):
+    """The main process alone sends the weights to the server: its failure at the second sync is raised on both
+    ranks, with its message, rather than leaving rank 1 in TRL's next collective."""
+    _launch(tmp_path, TWO, tiny_moe_dir, "--fail-sync", "2",
+            expected=("RuntimeError: the weight transfer to the server failed (stand-in)",))

@@ -158,7 +158,8 @@ def _server_trainer(model, main: bool):
     generation.model, generation.mode, generation.enable_sleep_mode, generation._weight_metadata = (
         model, "server", False, None)
     generation._dist = types.SimpleNamespace(gather_params=lambda params: contextlib.nullcontext(), is_fsdp=False)
-    accelerator = types.SimpleNamespace(is_main_process=main, unwrap_model=lambda m: m, state=types.SimpleNamespace())
+    accelerator = types.SimpleNamespace(is_main_process=main, unwrap_model=lambda m: m, state=types.SimpleNamespace(),
+                                        num_processes=1, process_index=0, device=torch.device("cpu"))
     generation.accelerator = accelerator
     sent = []
     generation.vllm_client = types.SimpleNamespace(

@@ -168,6 +168,13 @@ def test_two_process_resume_in_the_middle_of_a_rollout_batch_is_exact(tmp_path):
     assert resumed["loss"][1:] == full["loss"][1:]
     assert resumed["grad_norm"][1:] == full["grad_norm"][1:]
     assert resumed["checksum"] == full["checksum"]
+    # One rank without its saved batch: every rank generates a new one (a rank generating alone would meet the
+    # others in other collectives); the run ends, and differs from the uninterrupted one from the resumed step on.
+    halved_dir = tmp_path / "halved"
+    shutil.copytree(checkpoint, halved_dir / "checkpoint-1")
+    (halved_dir / "checkpoint-1" / "rollout_buffer_1.pt").unlink()
+    halved = _launch(halved_dir, ddp, "--loss-type", "gspo", "--max-steps", "4", "--resume")
+    assert halved["step"] == [1, 2, 3, 4] and halved["loss"][1] != full["loss"][1]
 
 
 @pytest.fixture(scope="module")

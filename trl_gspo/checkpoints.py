@@ -236,12 +236,21 @@ class CheckpointMixin:
         rollout batch continues on the saved rollout batch, so it trains exactly as the uninterrupted run."""
         from transformers.utils import logging as hf_logging
 
+        from .ranks import every_rank
+
         hf_logger = hf_logging.get_logger(__name__)  # adds `warning_once`
         warn = hf_logger.warning if self.accelerator.is_main_process else (lambda message: None)
         checkpoint = resolve_resume_from_checkpoint(resume_from_checkpoint, self.args.output_dir, warn=warn)
         if checkpoint is not None:
             restored = restore_rollout_state(checkpoint, self.args, self.num_iterations, self.accelerator.device,
                                              warn=hf_logger.warning_once)
+            # Every rank resumes on its saved rollout batch or none does: a rank generating alone would meet the
+            # others in different collectives (one all-reduced flag, at resume only).
+            if not every_rank(self.accelerator, restored is not None) and restored is not None:
+                hf_logger.warning(f"resuming from {checkpoint}: rank {self.accelerator.process_index} has its saved "
+                                  "rollout batch but another rank has none, so every rank generates a new one and "
+                                  "training continues differently from the uninterrupted run.")
+                restored = None
             if restored is not None:
                 self._step, self._buffered_inputs = restored  # TRL's micro-step counter and rollout mini-batches
             band = getattr(self, "_adaptive_band", None)

@@ -24,6 +24,7 @@ Everything else is TRL's: the rollout worker, staleness dropping, packing, weigh
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections import deque
 from dataclasses import dataclass
@@ -47,6 +48,8 @@ from .. import metrics as gspo_metrics
 from ..config import GSPO_LOSS_TYPES, band_description, default_output_dir
 from ..lora_merge import exact_sync_stream, merge_calls_skipped
 from ..losses import gspo_packed_loss, nonfinite_counts, unpack_segments
+from ..ranks import raise_together
+from ..routing.rollout import wrapping_method
 from ..routing.replay import RoutingReplay
 from ..trainer.clip_band import AdaptiveClipBand, ClipBandStep, band_columns, band_stats
 from ..trainer.lora import exact_sync_model
@@ -221,8 +224,28 @@ class AsyncGSPOTrainer(AsyncGRPOTrainer):
 
     def _sync_weight(self):
         """TRL's weight sync; then every rank learns the policy's weight version (TRL counts it on the main process
-        only), to age the samples it trains on."""
-        super()._sync_weight()
+        only), to age the samples it trains on. A sync that fails on one rank raises on every rank (one all-reduced
+        flag: trl_gspo/ranks.py); a transfer that fails on the main process is kept until TRL's sync has passed its
+        closing barrier, where the other ranks wait."""
+        failures: list[BaseException] = []
+
+        def keeping(send_weights):
+            def send(weights):
+                try:
+                    send_weights(weights)
+                except Exception as error:  # noqa: BLE001 - raised by raise_together, on every rank
+                    failures.append(error)
+                    for _ in weights:  # the rest of the stream: its gathers (FSDP2) are collectives
+                        pass
+            return send
+
+        transfer = self.weight_transfer if self.accelerator.is_main_process else None
+        with wrapping_method(transfer, "send_weights", keeping) if transfer else contextlib.nullcontext():
+            try:
+                super()._sync_weight()
+            except Exception as error:  # noqa: BLE001 - raised by raise_together, on every rank
+                failures.append(error)
+        raise_together(self.accelerator, failures[0] if failures else None)
         self._policy_version = broadcast_object_list([self.model_version], from_process=0)[0]
         self._synced_at_step = self.state.global_step
 

@@ -285,6 +285,22 @@ def hand_out_choices(choices: list[dict], counts: list[int], accelerator) -> lis
                 if isinstance(choice["routed_experts"], int):
                     choice["routed_experts"] = FramedRoute(frame, choice["routed_experts"])
         return part
+    start, waiting = counts[0], [rank for rank in range(1, accelerator.num_processes) if counts[rank]]
+    try:
+        _send_parts(choices, counts, accelerator, device, waiting)
+    except Exception as error:  # the ranks still waiting for their part raise it too (trl_gspo/ranks.py)
+        from ..ranks import FailedElsewhere
+
+        for rank in waiting:
+            dist.send_object_list([FailedElsewhere(error, 0)], dst=rank)
+        raise
+    return choices[:counts[0]]
+
+
+def _send_parts(choices: list[dict], counts: list[int], accelerator, device, waiting: list[int]) -> None:
+    """hand_out_choices on the main process; each rank sent its part leaves `waiting`."""
+    import torch.distributed as dist
+
     start = counts[0]
     for rank in range(1, accelerator.num_processes):
         stop = start + counts[rank]
@@ -309,11 +325,11 @@ def hand_out_choices(choices: list[dict], counts: list[int], accelerator) -> lis
                              "routed_experts": routes})
                 choice["routed_experts"] = None
             dist.send_object_list([(part, index)], dst=rank)
+            waiting.remove(rank)
             if data is not None:
                 dist.send(torch.from_numpy(data).to(device), dst=rank)
             del part, data
         start = stop
-    return choices[:counts[0]]
 
 
 @contextlib.contextmanager
@@ -333,7 +349,7 @@ def capture_routes(vllm_generation, accelerator, split=None):
                 mine = choices if accelerator.num_processes == 1 else hand_out_choices(choices, counts, accelerator)
                 return slice_routes(routes_from_server(mine, index_dtype), 0, completion_lengths)
 
-            yield take_server
+            yield _together(accelerator, take_server)
         return
     with capture_outputs(vllm_generation.llm) as outputs:
         def take_colocate(completion_lengths, index_dtype):
@@ -345,4 +361,25 @@ def capture_routes(vllm_generation, accelerator, split=None):
                 start = torch.distributed.get_rank(group=vllm_generation.tp_group) * len(completion_lengths)
             return slice_routes(everything, start, completion_lengths)
 
-        yield take_colocate
+        yield take_colocate  # each rank's own engine: the ranks' calls need not pair up (a tool loop at TP 1)
+
+
+def _together(accelerator, take):
+    """`take` in server mode, where one rank may refuse its own slice's routes alone: every rank raises then, through
+    one all-reduced flag per call (`trl_gspo.ranks.raise_together`). Every rank makes each server-mode generate call
+    (TRL's gather and broadcast; tool turns in lockstep), so the flags pair up."""
+    from ..ranks import raise_together
+
+    if accelerator is None or accelerator.num_processes == 1:
+        return take
+
+    def take_together(completion_lengths, index_dtype):
+        failure = routes = None
+        try:
+            routes = take(completion_lengths, index_dtype)
+        except Exception as error:  # noqa: BLE001 - raised below, on every rank
+            failure = error
+        raise_together(accelerator, failure)
+        return routes
+
+    return take_together

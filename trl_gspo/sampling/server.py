@@ -70,6 +70,39 @@ def server_failures(client, output_dir: str, stall_timeout: float = 0.0):
                 f"(now {stall_timeout:g} s)", err) from err
 
 
+@contextlib.contextmanager
+def failures_shared(client, num_processes: int):
+    """Around a server-mode generation call on the main process of several: while TRL's request to the server is
+    out, the other ranks wait in TRL's broadcast of its answer. An error raised from the request (after
+    `server_failures` has named it) is broadcast in the answer's place (`trl_gspo.ranks.FailedElsewhere`), so every
+    rank raises it at once instead of waiting in the broadcast until the process group's timeout. Nothing is added on
+    success."""
+    if num_processes == 1:
+        yield
+        return
+    out = []  # non-empty while the request is out: the others are in the broadcast
+
+    def marking(original):
+        def generate(*args, **kwargs):
+            out.append(True)
+            result = original(*args, **kwargs)
+            out.clear()
+            return result
+        return generate
+
+    with wrapping_method(client, "generate", marking):
+        try:
+            yield
+        except Exception as error:
+            if out:
+                from accelerate.utils import broadcast_object_list
+
+                from ..ranks import FailedElsewhere
+
+                broadcast_object_list([FailedElsewhere(error, 0)], from_process=0)
+            raise
+
+
 class FramedRoute:
     """A choice's routes inside a received route frame (`trl_gspo.sampling.route_wire`), read when needed."""
 

@@ -26,11 +26,12 @@ from ..losses import (
     masked_token_mean,
     nonfinite_counts,
 )
+from ..ranks import together
 from ..sampling.engine import check_sampler_at_start, engine_options, trainer_engine_options
 from ..sampling.mismatch import SamplerWatch, log_turns, sampling_metrics
 from ..sampling.old_logps import SamplerOldLogps
 from ..sampling.routes import capture_routes
-from ..sampling.server import server_failures
+from ..sampling.server import failures_shared, server_failures
 from .clip_band import AdaptiveClipBand, ClipBandStep, band_columns, band_stats
 from .lora import TrainerLora
 from .model_checks import check_model
@@ -92,6 +93,8 @@ class GSPOTrainer(CheckpointMixin, ToolTurnsMixin, GRPOTrainer):
         self._routing = TrainerRouting.build(base, self.args, runs_old_policy_pass(self.args))
         self._replay_stack, self._replay_opened = None, False  # open while a micro-batch runs forward and backward
         self._lora = TrainerLora.build(self)  # LoRA folded for rollouts and weight syncs, base untouched; or None
+        if self.use_vllm:
+            self._sync_weights_together()
         self._adaptive_band = (AdaptiveClipBand.build(self.args, self.epsilon_low, self.epsilon_high)
                                if self.loss_type in GSPO_LOSS_TYPES else None)  # clip_band="adaptive", or None
         # Until the first optimizer step after a rollout the weights are those that sampled it: ratios then measure
@@ -140,12 +143,24 @@ class GSPOTrainer(CheckpointMixin, ToolTurnsMixin, GRPOTrainer):
         if training:  # stops on implausible R3 routes, announces a sampler drift or gap (docs/sampling.md)
             self._sampler_watch.check(values)
 
+    def _sync_weights_together(self) -> None:
+        """A vLLM weight sync that fails on one rank (the main one alone sends to a server; a LoRA `W + delta` may
+        fail on any) raises on every rank (trl_gspo/ranks.py): one all-reduced flag per sync."""
+        self.vllm_generation.sync_weights = together(self.accelerator, self.vllm_generation.sync_weights)
+
+    def _server_guards(self) -> contextlib.ExitStack:
+        """Server mode, on the main process: a server that dies or hangs mid-run becomes one error naming it, the
+        newest complete checkpoint and how to resume (docs/reliability.md), raised on every rank (trl_gspo/ranks.py)."""
+        guards = contextlib.ExitStack()
+        if self.use_vllm and self.vllm_mode == "server" and self.accelerator.is_main_process:
+            client = self.vllm_generation.vllm_client
+            guards.enter_context(failures_shared(client, self.accelerator.num_processes))
+            guards.enter_context(server_failures(client, self.args.output_dir, getattr(
+                self.args, "vllm_server_stall_timeout", DEFAULT_SERVER_STALL_TIMEOUT)))
+        return guards
+
     def _generate_single_turn(self, *args, **kwargs):
-        server = self.use_vllm and self.vllm_mode == "server" and self.accelerator.is_main_process
-        # a server that dies mid-run: one error naming it, the last checkpoint and how to resume (docs/reliability.md)
-        with server_failures(self.vllm_generation.vllm_client, self.args.output_dir, getattr(
-                self.args, "vllm_server_stall_timeout", DEFAULT_SERVER_STALL_TIMEOUT)) if server else (
-                contextlib.nullcontext()):
+        with self._server_guards():
             if self._routing is None:
                 return super()._generate_single_turn(*args, **kwargs)
             # vLLM: a lockstep tool turn says how the group's results were split (trl_gspo/trainer/tool_lockstep.py)

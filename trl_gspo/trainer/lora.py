@@ -138,27 +138,26 @@ class TrainerLora:
                 return True
             return accelerator.is_main_process and generation._weight_metadata is not None
 
-        if generation.mode != "server":
-            generation._iter_named_params = lambda: exact_sync_stream(self.model, stream, build=sends())
-            return
-        # The server receives a packed transfer of every announced tensor while its /update_weights request waits: a
-        # stream that stopped early would leave both waiting. A failure is kept, the transfer completes (base weights
-        # in place of a failed `W + delta`), and the sync raises it once the server has everything.
+        # A consumer must receive every tensor it expects (a server's packed transfer waits for each announced one; a
+        # colocated engine's tensor-parallel load is collective): a failure is kept, the stream completes (base
+        # weights in place of a failed `W + delta`), and the sync raises it once the consumer has everything; every
+        # rank raises it (GSPOTrainer's sync is `trl_gspo.ranks.together`).
         errors: list[BaseException] = []
 
-        def server_stream():
-            build = sends()  # a walk that sends nothing (metadata, non-main ranks) raises at once
+        def exact_stream():
+            build = sends()  # a walk that sends nothing (the metadata pass, non-main ranks) raises at once
             return exact_sync_stream(self.model, stream, build=build, errors=errors if build else None)
 
-        generation._iter_named_params = server_stream
+        generation._iter_named_params = exact_stream
         sync = generation.sync_weights
+        where = "vLLM server" if generation.mode == "server" else "colocated vLLM engine"
 
         def sync_then_raise():
             errors.clear()
             sync()
             if errors:
-                raise LoraMergeError(f"{errors[0]} The transfer to the vLLM server was completed with the base "
-                                     "weights in its place, so nothing waits on it; the run stops here.") from errors[0]
+                raise LoraMergeError(f"{errors[0]}. The transfer to the {where} was completed with the base weights "
+                                     "in its place, so nothing waits on it; the run stops here.") from errors[0]
 
         generation.sync_weights = sync_then_raise
 
