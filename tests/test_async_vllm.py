@@ -114,11 +114,12 @@ TRAINERS = {"trl": {"trainer": "trl"}, "gspo": {"trainer": "gspo", "loss_type": 
 @pytest.fixture(scope="module")
 def fresh_run(async_server, tmp_path_factory):
     """Three steps at learning rate 0.05 with `max_staleness=0`, the server probed after the cold sync and after
-    every step's transfer; the trainer sleeps 1 s per step, so the generator runs ahead of it. With
+    every step's transfer; before each transfer the trainer waits until the queue holds a sample, so the generator
+    runs ahead of it by construction (samples of the version about to be replaced are always there). With
     trl_gspo.AsyncGSPOTrainer (loss_type "gspo"); TRL's own AsyncGRPOTrainer, "gspo_token" and "grpo" were measured
     the same way by hand, and TRL's trainer runs in the two tests below it (to keep the vLLM suite's time)."""
     return _run(tmp_path_factory.mktemp("fresh_gspo"), async_server, probe=True, max_steps=3, max_staleness=0,
-                step_sleep=1.0, **TRAINERS["gspo"])
+                queued_before_transfer=True, **TRAINERS["gspo"])
 
 
 def _trained_steps(result):

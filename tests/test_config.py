@@ -53,13 +53,19 @@ def test_bad_options_raise_naming_the_option(options, option_name):
         GSPOConfig(**CPU, **options)
 
 
-def test_adaptive_entropy_is_accepted_for_gspo_types():
-    assert GSPOConfig(**CPU, use_adaptive_entropy=True).use_adaptive_entropy
-
-
-def test_delta_above_the_band_is_accepted():
-    assert GSPOConfig(**CPU, delta=1.002).delta == 1.002
-    assert GSPOConfig(**CPU, loss_type="grpo", delta=1.2).delta == 1.2  # TRL's own semantics for TRL loss types
+@pytest.mark.parametrize("accepted, refused", [
+    (dict(delta=1.002), dict(delta=1.0004)),  # above 1 + epsilon_high, or at it (it would cap inside the band)
+    # TRL's own semantics for its loss types
+    (dict(loss_type="grpo", epsilon_high=0.3, delta=1.2), dict(epsilon_high=0.3, delta=1.2)),
+    (dict(importance_sampling_level="sequence"), dict(importance_sampling_level="token")),
+])
+def test_options_beside_a_refusal_are_accepted(accepted, refused):
+    """Each accepted value sits next to a refused one of the same option: the check draws the line there, and the
+    accepted config also passes the trainer's own validation. (`use_adaptive_entropy` with a GSPO type trains:
+    tests/test_trainer.py.)"""
+    validate_gspo_args(GSPOConfig(**CPU, **accepted))  # raises ValueError if refused
+    with pytest.raises(ValueError, match="Fix:"):
+        GSPOConfig(**CPU, **refused)
 
 
 @pytest.mark.parametrize("options,option_name", [(dict(loss_type="gsop"), "loss_type"), (dict(loss_type="gspo", epsilon=0.0), "epsilon")])
@@ -76,7 +82,10 @@ def test_grpo_config_token_level_is_accepted_for_gspo(tmp_path, tokenizer):
     """TRL's GRPOConfig defaults importance_sampling_level to 'token'; it cannot tell an explicit value apart, so
     gspo accepts it (the ratio is per sequence by construction) rather than failing every GRPOConfig user."""
     cfg = tiny_config(tmp_path, config_cls=GRPOConfig, loss_type="gspo")
-    validate_gspo_args(cfg)
+    assert cfg.importance_sampling_level == "token"
+    validate_gspo_args(cfg)  # raises ValueError if refused
+    with pytest.raises(ValueError, match="`importance_sampling_level`"):  # a GSPOConfig says it on purpose
+        GSPOConfig(**CPU, importance_sampling_level="token")
 
 
 class _TokenCreditTrainer(GSPOTrainer):

@@ -87,7 +87,8 @@ def raise_together(accelerator, error: BaseException | None) -> None:
     rank, error_type, args, message = min((r for r in reports if r is not None), key=lambda report: report[0])
     if rank == accelerator.process_index:
         raise error
-    raise _rebuilt(error_type, args, message) from (error if error is not None else RankFailed(f"raised on rank {rank}"))
+    cause = error if error is not None else RankFailed(f"raised on rank {rank}")
+    raise _rebuilt(error_type, args, message) from cause
 
 
 def together(accelerator, step):

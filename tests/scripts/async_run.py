@@ -20,7 +20,9 @@ Options (JSON), all optional but `server` and `model_dir`:
     probe            after the cold sync and after every step's transfer, compare the server's log-probs of fixed
                      token sequences (`prompt_logprobs`) with the trainer's weights (a plain transformers copy,
                      float32) and with the initial weights
-    step_sleep       seconds to sleep at the end of every step (a slow trainer: the generator runs ahead)
+    queued_before_transfer  at every optimizer step, before that step's weight transfer, wait until the rollout
+                     queue holds a sample (generated at the version about to be replaced): a slow trainer whose
+                     generator runs ahead, by condition rather than by a sleep that a slow generator could outlast
     resume           resume from the newest checkpoint in OUT_DIR
     summary          add trl-gspo's end-of-run report (`RunReportCallback`, no plot): its lines go into RESULT
     any other key    an AsyncGRPOConfig field (max_steps, learning_rate, max_staleness, save_steps, ...)
@@ -185,7 +187,7 @@ def main():
     trainer_name = options.pop("trainer", "trl")
     transfer_kind = options.pop("transfer", "files")
     probe_on = options.pop("probe", False)
-    step_sleep = options.pop("step_sleep", 0.0)
+    queued_before_transfer = options.pop("queued_before_transfer", False)
     resume = options.pop("resume", False)
     summary_on = options.pop("summary", False)
     if trainer_name == "gspo":
@@ -248,8 +250,13 @@ def main():
             steps_file.write(json.dumps({"step": state.global_step, "version": trainer.model_version,
                                          "trained": mine, "seconds": time.monotonic() - self.started}) + "\n")
             steps_file.flush()
-            if step_sleep:
-                time.sleep(step_sleep)
+
+        def on_optimizer_step(self, args, state, control, **kwargs):  # before any callback's on_step_end: the transfer
+            deadline = time.monotonic() + 120
+            while queued_before_transfer and trainer.rollout_queue.qsize() < 1:
+                if time.monotonic() > deadline:
+                    raise RuntimeError("the rollout worker queued no sample in 120 s")
+                time.sleep(0.05)
 
         def on_save(self, args, state, control, **kwargs):
             print(f"SAVED {state.global_step}", flush=True)

@@ -7,7 +7,7 @@ engine (tensor-parallel 1 or 2) or a `trl-gspo vllm-serve` server. The model is 
 trl_gspo/quickstart/tools.py (TRL_GSPO_VLLM_MODEL_DIR, built by the test), the tool is its calculator `add`.
 
 Rank-divergent tool loops, forced. Prompts are "add A B"; whether a sample calls the tool in a turn is decided from
-its tokens by wrapping TRL's `parse_response` (the text is the model's; only the call decision is the test's):
+its prompt by wrapping TRL's `parse_response` (tests/support/tool_turn_runs.py):
 
     A % 3 == 0   a call in turns 1 and 2 (two tool turns: max_tool_calling_iterations is 2)
     A % 3 == 1   a call in turn 1 only
@@ -36,14 +36,17 @@ Checks, gathered from every rank into one `RESULT {json}` line (rank 0):
     FOREIGN      (vLLM, printed by the rank at once) TRL's generate returned completions of prompts this rank did not
                  send in those positions
 
-HF generate samples with Gumbel noise keyed by (the row's tokens, its place among identical rows of the call), not by
-each rank's RNG stream: one process and two draw the same completions, so their losses can be compared.
+With HF generate, the completions are forced too: each token is drawn by a key of (the row's prompt, its place among
+identical rows of the call, the step), never from the logits, and eos ends a turn after 2-8 tokens. One process and
+two then generate the same completions on any machine, so their losses and gradients can be compared: sampling from
+the logits would not do, since calls batched differently give logits that differ by rounding, and a near-tie token
+flips on some CPUs. The model still scores every token (its log-probs, R3's routes, the losses).
 """
 
 import copy
 import json
 import os
-import re
+import random
 import sys
 import zlib
 from pathlib import Path
@@ -54,6 +57,7 @@ TESTS = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(TESTS))
 sys.path.insert(0, str(TESTS / "scripts"))
 from support.helpers import tiny_config  # noqa: E402
+from support.tool_turn_runs import forced_calls  # noqa: E402
 
 try:  # skip DeepSpeed's JIT build of a shared-memory op that gloo on CPU does not need
     import deepspeed.ops
@@ -64,22 +68,6 @@ except ImportError:
 
 CALLS_BY_KIND = {0: 2, 1: 1, 2: 0}  # A % 3 -> the number of tool turns
 HANG_EXIT_GRACE = 15  # seconds between a hung rank's stack dump and its exit (`hang_after`)
-
-
-def forced_calls(original):
-    """TRL's `parse_response`, with the tool-call decision made from the sample's tokens (module docstring)."""
-    def parse(tokenizer, ids, prefix=None, tools=None, **kwargs):
-        message = dict(original(tokenizer, ids, prefix=prefix, tools=tools, **kwargs))
-        history = tokenizer.decode(list(prefix or []))
-        a = int(re.search(r"add (\d+) (\d+)", history).group(1))
-        turn = history.count("<|tool|>")  # tool results so far
-        calls = CALLS_BY_KIND[a % 3]
-        message.pop("tool_calls", None)
-        if turn < calls:
-            message["tool_calls"] = [{"type": "function", "function": {"name": "add",
-                                                                       "arguments": {"a": a, "b": turn + 1}}}]
-        return message
-    return parse
 
 
 def divergent_dataset(rounds: int):
@@ -98,24 +86,30 @@ def distinct_characters(completions, **kwargs):
     return [float(len(set("".join(str(m.get("content") or "") for m in messages)))) for messages in completions]
 
 
-class KeyedGumbel:
-    """A logits processor: Gumbel-max sampling at temperature 1 with noise seeded per (row key, position)."""
+class KeyedChoice:
+    """A logits processor forcing each row's next token from (row key, step): a plain character, then eos after a
+    keyed length of 2-8 tokens."""
 
-    def __init__(self, keys):
-        self.keys = keys
+    def __init__(self, keys, start, plain_ids, eos_token_id):
+        self.keys, self.start, self.plain, self.eos = keys, start, plain_ids, eos_token_id
 
     def __call__(self, input_ids, scores):
-        position = input_ids.shape[1]
-        noise = torch.stack([-torch.empty(scores.shape[-1]).exponential_(
-            generator=torch.Generator().manual_seed((key * 4096 + position) % 2**63)).log() for key in self.keys])
-        return scores.log_softmax(-1) + noise.to(scores.device)
+        step = input_ids.shape[1] - self.start
+        forced = torch.full_like(scores, float("-inf"))
+        for row, key in enumerate(self.keys):
+            draw = random.Random(key * 4096 + step)
+            forced[row, self.eos if step >= 2 + key % 7 else draw.choice(self.plain)] = 0.0
+        return forced
 
 
-def keyed_hf_generate(model, eos_token_id, calls):
-    """`model.generate` with keyed noise (module docstring); each row's prompt and kept tokens go into `calls`."""
+def keyed_hf_generate(model, tokenizer, calls):
+    """`model.generate` with keyed completions (module docstring); each row's prompt and kept tokens go into
+    `calls`."""
     from transformers import LogitsProcessorList
 
     generate = model.generate
+    vocab, eos = tokenizer.get_vocab(), tokenizer.eos_token_id
+    plain = [vocab[ch] for ch in "0123456789abcdefghijklmnopqrstuvwxyz" if ch in vocab]
 
     def keyed(input_ids, attention_mask, generation_config, **kwargs):
         prompts = [ids[mask.bool()].tolist() for ids, mask in zip(input_ids, attention_mask)]
@@ -127,10 +121,11 @@ def keyed_hf_generate(model, eos_token_id, calls):
         greedy = copy.deepcopy(generation_config)
         greedy.do_sample, greedy.temperature, greedy.top_k, greedy.top_p = False, None, None, None
         out = generate(input_ids=input_ids, attention_mask=attention_mask, generation_config=greedy,
-                       logits_processor=LogitsProcessorList([KeyedGumbel(keys)]), **kwargs)
+                       logits_processor=LogitsProcessorList([KeyedChoice(keys, input_ids.shape[1], plain, eos)]),
+                       **kwargs)
         sequences = out if torch.is_tensor(out) else out.sequences
         for prompt, row in zip(prompts, sequences[:, input_ids.shape[1]:].tolist()):
-            calls.append((prompt, row[:row.index(eos_token_id) + 1] if eos_token_id in row else row))
+            calls.append((prompt, row[:row.index(eos) + 1] if eos in row else row))
         return out
 
     model.generate = keyed
@@ -257,7 +252,7 @@ def main():
     import trl.trainer.grpo_trainer as grpo_trainer
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    grpo_trainer.parse_response = forced_calls(grpo_trainer.parse_response)
+    grpo_trainer.parse_response = forced_calls(grpo_trainer.parse_response, lambda a: CALLS_BY_KIND[a % 3])
     weight_syncs = []
     if engine != "hf":
         from support import vllm_cpu_engine
@@ -300,7 +295,7 @@ def main():
         model.name_or_path = str(perturbed_router_copy(model_dir, out_dir / "perturbed_routers"))
     calls, samples = [], []
     if engine == "hf":
-        keyed_hf_generate(model, tokenizer.eos_token_id, calls)
+        keyed_hf_generate(model, tokenizer, calls)
     trainer = trainer_cls(model, distinct_characters, args=args, processing_class=tokenizer,
                           train_dataset=divergent_dataset(max_steps), tools=[add])
     if reference and engine == "colocate":

@@ -10,6 +10,7 @@ The JSON holds GSPOConfig overrides plus these script options:
     resume: true         resume from the newest checkpoint in OUT_DIR
     tools: true          the calculator task of trl_gspo/quickstart/tools.py through TRL's tool loop (`tools=[add]`);
                          load the cold-started tool model (TRL_GSPO_VLLM_MODEL_DIR, built by the test)
+    forced_tool_turns: N every sample calls the tool in its first N turns (tests/support/tool_turn_runs.py)
     engine: "..."        "patched" (default: tests/support/vllm_cpu_engine.py, all three patches), "no_repack" (experts
                          are not re-packed after a weight sync), "no_capture" (the CPU MoE kernel claims route capture
                          but never reports: vLLM returns all-zero routes), "other_checkpoint" (the engine loads another
@@ -42,6 +43,7 @@ TESTS = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(TESTS))
 from support import vllm_cpu_engine  # noqa: E402
 from support.helpers import digit_reward, tiny_config  # noqa: E402
+from support.tool_turn_runs import forced_calls  # noqa: E402
 
 try:  # skip DeepSpeed's JIT build of a shared-memory op that gloo on CPU does not need
     import deepspeed.ops
@@ -298,7 +300,7 @@ def main():
     options = json.loads(sys.argv[2])
     engine = options.pop("engine", "patched")
     lora, reference, resume = options.pop("lora", False), options.pop("reference", False), options.pop("resume", False)
-    tools = options.pop("tools", False)
+    tools, forced_tool_turns = options.pop("tools", False), options.pop("forced_tool_turns", None)
     base_dtype, stock = getattr(torch, options.pop("base_dtype", "float32")), options.pop("stock", False)
     server = options.pop("server", None)
     memory_probe, kill_server_at_round = options.pop("memory_probe", False), options.pop("kill_server_at_round", None)
@@ -350,6 +352,10 @@ def main():
         from trl_gspo.quickstart.tools import add, make_tool_rl_dataset, tool_answer_reward
 
         task = dict(reward_funcs=tool_answer_reward, train_dataset=make_tool_rl_dataset(32, seed=1), tools=[add])
+        if forced_tool_turns:  # every sample calls the tool in that many turns, whatever the model's rate
+            import trl.trainer.grpo_trainer as grpo_trainer
+
+            grpo_trainer.parse_response = forced_calls(grpo_trainer.parse_response, lambda a: forced_tool_turns)
     trainer = (GRPOTrainer if stock else GSPOTrainer)(model, args=args, processing_class=tokenizer,
                                                       peft_config=peft_config, **task)
 
