@@ -89,14 +89,34 @@ def record_figure(request):
     return lambda check, figure: request.node.user_properties.append(("gpu_figure", (check, figure)))
 
 
+# ---------------------------------------------------------------- skips: counted, and only two kinds allowed in CI
+SKIPPED: list[tuple[str, str, bool]] = []  # (test, reason, allowed) of each skipped test; summed at a run's end
+STRICT_SKIPS = os.environ.get("TRL_GSPO_STRICT_SKIPS") == "1"  # .ci/run: any other skip fails the run
+
+
+def _allowed_skip(report, reason: str) -> bool:
+    """A skip for what the machine lacks: a GPU, or vLLM for a test marked `vllm` where vLLM is not installed."""
+    import importlib.util
+
+    if reason.startswith("no CUDA device visible"):
+        return True
+    return "vllm" in report.keywords and importlib.util.find_spec("vllm") is None
+
+
 def pytest_runtest_logreport(report):
     if report.when == "teardown":  # each phase's report holds the test's properties; read them once
         GPU_FIGURES.extend(tuple(value) for name, value in report.user_properties if name == "gpu_figure")
+    if report.skipped:
+        reason = report.longrepr[2] if isinstance(report.longrepr, tuple) else str(report.longrepr)
+        reason = reason.removeprefix("Skipped: ")
+        SKIPPED.append((report.nodeid, reason, _allowed_skip(report, reason)))
 
 
 def pytest_sessionfinish(session):
     if hasattr(session.config, "workeroutput"):  # a pytest-xdist worker: its counts go to the controlling process
         session.config.workeroutput["trl_gspo_left_out"] = dict(LEFT_OUT)
+    elif STRICT_SKIPS and any(not allowed for _, _, allowed in SKIPPED) and session.exitstatus == 0:
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED  # the summary names them
 
 
 @pytest.hookimpl(optionalhook=True)
@@ -108,6 +128,17 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
     left_out = [f"{count} {marker} ({LEFT_OUT_HOW[marker]})" for marker, count in sorted(LEFT_OUT.items()) if count]
     if left_out:
         terminalreporter.write_line(f"trl-gspo: tests left out by marker: {', '.join(left_out)}; CI runs them all")
+    reasons: dict[str, int] = {}
+    for _, reason, _ in SKIPPED:
+        reasons[reason] = reasons.get(reason, 0) + 1
+    terminalreporter.write_line(f"trl-gspo: {len(SKIPPED)} skipped" + "".join(
+        f"\n  {count} x {reason}" for reason, count in sorted(reasons.items())))
+    unexpected = [(test, reason) for test, reason, allowed in SKIPPED if not allowed]
+    if STRICT_SKIPS and unexpected:
+        terminalreporter.write_line("trl-gspo: FAILED: a test skipped for a reason other than a missing GPU, or a "
+                                    "missing vLLM (marked `vllm`); every test must run on this machine:", red=True)
+        for test, reason in unexpected:
+            terminalreporter.write_line(f"  {test}: {reason}", red=True)
     if not GPU_FIGURES:
         return
     cuda = GPU_TESTS_DEVICE == "cuda" and torch.cuda.is_available()

@@ -75,3 +75,4 @@ def test_tests_sharing_a_module_fixture_run_on_one_worker_under_cis_xdist_mode(t
     # the server's and the reference's users are one group (the reference uses the server): one worker for all
     assert len(workers["server user"] | workers["reference user"]) == 1
     assert {worker for _, worker in notes} == {"gw0", "gw1"}  # and two workers ran
+
