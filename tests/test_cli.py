@@ -140,6 +140,14 @@ def test_dry_run_prints_resolved_config(tmp_path, capsys):
     assert main(["--config", path, "--dry_run", "true"]) == 0
     out = capsys.readouterr().out
     assert "epsilon=0.0003" in out and "steps_per_generation=4" in out and "recipe is valid" in out
+    # Which band will run, and every field the config's presets filled (the recipe leaves them unset)
+    assert "clip band:      one ratio per sequence, clipped to [0.9997, 1.0004] (clip_band='fixed'" in out
+    filled = next(line for line in out.splitlines() if line.startswith("filled in:"))
+    for field in ("beta=0.0", "epsilon=0.0003", "epsilon_high=0.0004", "importance_sampling_level=sequence",
+                  "steps_per_generation=4"):
+        assert field in filled, filled
+    assert main(["--config", path, "--dry_run", "true", "--clip_band", "adaptive"]) == 0
+    assert "clip_band='adaptive'" in capsys.readouterr().out
 
 
 RECIPES = sorted(p for p in (ROOT / "recipes").rglob("*.yaml") if p.parent.name != "accelerate")

@@ -1,5 +1,7 @@
 """GSPOConfig presets and early, clear errors for options GSPO cannot honour."""
 
+import re
+
 import pytest
 from support.helpers import digit_reward, tiny_config, toy_dataset
 from trl import GRPOConfig
@@ -250,3 +252,37 @@ def test_report_to_typo_is_not_refused_at_config_time(tmp_path):
     assert cfg.report_to == ["wandbb"]
     with pytest.raises(ValueError, match="wandbb is not supported"):
         get_reporting_integration_callbacks(cfg.report_to)
+
+
+@pytest.mark.parametrize("options, message", [
+    (dict(per_device_train_batch_size=32, num_generations=7),  # the user set num_generations
+     "`num_generations`: num_generations 7 does not divide the rollout batch of 128 completions "
+     "(per_device_train_batch_size 32 x 1 process(es) x steps_per_generation 4): each prompt's group must fall whole "
+     "in one rollout batch. Fix: num_generations=8 or 4, or keep 7 and set per_device_train_batch_size=35 or 28."),
+    (dict(per_device_train_batch_size=31),  # num_generations at TRL's default: the batch size is what was set
+     "`per_device_train_batch_size`: num_generations 8 does not divide the rollout batch of 124 completions "
+     "(per_device_train_batch_size 31 x 1 process(es) x steps_per_generation 4): each prompt's group must fall whole "
+     "in one rollout batch. Fix: per_device_train_batch_size=30 or 32, or num_generations=4 or 2."),
+    (dict(generation_batch_size=100, per_device_train_batch_size=8),
+     "`generation_batch_size`: 100 is not a whole number of optimizer micro-batches (per_device_train_batch_size 8 x "
+     "1 process(es) = 8). Fix: generation_batch_size=96 or 104, or set steps_per_generation instead."),
+    (dict(generation_batch_size=64, steps_per_generation=2),
+     "`generation_batch_size`: both generation_batch_size (64) and steps_per_generation (2) are set; each fixes the "
+     "rollout batch. Fix: set only one of them."),
+    (dict(per_device_eval_batch_size=5, eval_strategy="steps", do_eval=True, num_generations=4),
+     "`per_device_eval_batch_size`: 5 x 1 process(es) does not hold whole groups of 4 completions "
+     "(num_generations). Fix: per_device_eval_batch_size=4 or 8."),
+])
+def test_trls_batch_shape_refusals_name_the_option_set_and_the_values_that_work(options, message):
+    """TRL raises these in its own `__post_init__` naming derived sizes ("generation_batch_size (128) must be
+    divisible by num_generations (7)"); GSPOConfig raises at the same point, one line, chained to TRL's error, and
+    each value its fix names gives a valid config."""
+    with pytest.raises(ValueError) as raised:
+        GSPOConfig(**CPU, **options)
+    assert str(raised.value) == message
+    cause = raised.value.__cause__
+    assert isinstance(cause, ValueError) and ("must be divisible" in str(cause) or "both configured" in str(cause))
+    option = message[1:message.index("`", 1)]
+    first_fix = re.search(rf"Fix: {option}=(\d+)", message)
+    if first_fix:  # the first value the fix names works
+        GSPOConfig(**CPU, **{**options, option: int(first_fix.group(1))})

@@ -12,3 +12,10 @@
 - `quiet`: the third-party warnings a run cannot act on, filtered by their exact text.
 - `reporting`: the end-of-run summary and training curves.
 """
+
+import time as _time
+
+# When this process began its run: the first import of the launch package, at the top of `trl-gspo` and of a launched
+# process. Not the process's own start time: under `bash -c "pip install ... && trl-gspo ..."` bash hands its own
+# process, started before pip, to the last command.
+STARTED = _time.time()

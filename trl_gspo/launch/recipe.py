@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from trl import DatasetMixtureConfig, ModelConfig, TrlParser
 from trl.scripts.grpo import GRPOScriptArguments
 
-from ..config import GSPOConfig, did_you_mean
+from ..config import GSPO_LOSS_TYPES, GSPOConfig, band_description, did_you_mean
 
 TRAINERS = ("sync", "async")  # `trainer:` GSPOTrainer (TRL's GRPOTrainer) or AsyncGSPOTrainer (TRL's AsyncGRPOTrainer)
 
@@ -42,14 +42,14 @@ COMMAND_STARTED_ENV = "TRL_GSPO_COMMAND_STARTED"
 
 def command_started() -> float:
     """When the command that runs this process started (seconds since the epoch): the `trl-gspo` command's start,
-    which it passes to the processes it launches (`COMMAND_STARTED_ENV`), else this process's own start (its imports
-    included)."""
-    import psutil
+    which it passes to the processes it launches (`COMMAND_STARTED_ENV`), else this process's own run's start
+    (`trl_gspo.launch.STARTED`)."""
+    from . import STARTED
 
     try:
         return float(os.environ[COMMAND_STARTED_ENV])
     except (KeyError, ValueError):
-        return psutil.Process().create_time()
+        return STARTED
 
 
 class RecipeError(ValueError):
@@ -378,6 +378,13 @@ def describe(script_args, training_args, model_args, dataset_args, launch_args) 
         f"output_dir:     {args.output_dir}",
         f"accelerate:     {' '.join(launch_args) or '(defaults)'}",
     ]
+    if args.loss_type in GSPO_LOSS_TYPES:
+        lines.insert(4, f"clip band:      {band_description(args)}")
+    presets = getattr(args, "paper_presets", None) or getattr(args, "presets", None) or {}
+    if presets:  # the fields the recipe left unset that the config filled
+        lines.insert(5 if args.loss_type in GSPO_LOSS_TYPES else 4,
+                     f"filled in:      {', '.join(f'{name}={value}' for name, value in presets.items())} "
+                     "(unset in the recipe: the config's defaults for this loss type)")
     if script_args.sft_steps:
         lines.insert(3, f"sft cold start: {script_args.sft_steps} steps at lr {script_args.sft_learning_rate}")
     if script_args.tools or script_args.environment_factory:
