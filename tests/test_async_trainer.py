@@ -256,6 +256,7 @@ def test_async_recipes_resolve_into_async_gspo_config_or_are_refused(tmp_path, c
     from trl_gspo.launch.cli import main
 
     monkeypatch.setattr("trl_gspo.launch.checks._probe_dataset", lambda key, path, config: None)
+    monkeypatch.setattr("trl_gspo.launch.checks._probe_model", lambda key, name: None)  # hub model, offline
     fields = dict(model="Qwen/Qwen3-0.6B", dataset="trl-lib/DeepMath-103K", url="http://gen:8000",
                   out=tmp_path / "o", extra="")
     fields.update(change)

@@ -172,6 +172,7 @@ def test_shipped_recipes_resolve(recipe, gpu, capsys, monkeypatch, fake_accelera
         monkeypatch.setattr(engine, "installed_vllm_version", lambda: engine.VLLM_RANGE[0])
     probed = []
     monkeypatch.setattr("trl_gspo.launch.checks._probe_dataset", lambda key, path, config: probed.append((key, path)))
+    monkeypatch.setattr("trl_gspo.launch.checks._probe_model", lambda key, name: None)  # hub model, offline
     assert main(["--config", str(recipe), "--dry_run", "true"]) == 0
     dataset = yaml.safe_load(recipe.read_text())["dataset_name"]
     assert probed == ([] if dataset.startswith("builtin:") else [("dataset_name", dataset)])

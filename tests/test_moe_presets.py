@@ -65,6 +65,7 @@ def test_trio_resolves_with_dry_run(name, gpu, capsys, monkeypatch, fake_acceler
     fake_accelerator(gpu)  # both branches of the dry run's "is there a GPU?" decision, on any machine
     probed = []  # the hub dataset is not cached offline; the probe only records what it was asked (as test_cli)
     monkeypatch.setattr("trl_gspo.launch.checks._probe_dataset", lambda key, path, config: probed.append((key, path)))
+    monkeypatch.setattr("trl_gspo.launch.checks._probe_model", lambda key, name: None)  # hub model, offline
     assert main(["--config", str(FOLDER / f"{name}.yaml"), "--dry_run", "true"]) == 0
     assert probed == [("dataset_name", "trl-lib/DeepMath-103K")]
     out = capsys.readouterr().out

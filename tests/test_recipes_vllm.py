@@ -148,6 +148,7 @@ def test_dry_run_with_the_installed_vllm(model, layout, name, capsys, monkeypatc
     skip_without_math_verify(_load(path)["reward_funcs"])
     fake_accelerator(True)
     monkeypatch.setattr("trl_gspo.launch.checks._probe_dataset", lambda key, path, config: None)  # offline: as test_cli
+    monkeypatch.setattr("trl_gspo.launch.checks._probe_model", lambda key, name: None)  # hub model, offline
     assert main(["--config", str(path), "--dry_run", "true"]) == 0
     assert "recipe is valid" in capsys.readouterr().out
 

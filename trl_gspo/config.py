@@ -362,7 +362,7 @@ def _batch_shape_error(args, message: str) -> ValueError | None:
     divisible by num_generations (7)"), as ours: the option the user set, the sizes behind the derived one, and the
     nearest values that work. None for any other message."""
     world = max(getattr(args, "world_size", 1) or 1, 1)
-    per_device, steps = args.per_device_train_batch_size, args.steps_per_generation
+    per_device, steps = args.per_device_train_batch_size, getattr(args, "steps_per_generation", None)
     groups = re.fullmatch(r"generation_batch_size \((\d+)\) must be divisible by num_generations \((\d+)\)\.",
                           message)
     if groups:

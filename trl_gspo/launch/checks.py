@@ -7,11 +7,11 @@ the key and the fix (values, the dataset, built-in model and task pairs, tools, 
 
 from __future__ import annotations
 
-import functools
 import math
 import os
 
 from ..config import did_you_mean
+from ..hub import HUB_PROBE_TIMEOUT, check_model_source, hub_unreachable, hub_unreachable_once  # noqa: F401
 from .recipe import (BUILTIN_DATASETS, BUILTIN_MODELS, BUILTIN_PREFIX, BUILTIN_TASK_MODELS, COLD_START_LAUNCHERS,
                      CONVERSATIONAL_BUILTIN_DATASETS, RecipeError, _check_builtin_dataset, cold_start_before_launch,
                      launch_options, launched_machines, launched_processes, launcher_type)
@@ -122,6 +122,8 @@ def check_recipe(script_args, training_args, model_args, dataset_args, launch_ar
     else:
         _check_tools(script_args, args, model_args)
     size = _dataset_size(script_args, dataset_args, probe_dataset)
+    if probe_dataset and not model_args.model_name_or_path.startswith(BUILTIN_PREFIX):
+        _probe_model("model_name_or_path", model_args.model_name_or_path)
     # The asynchronous trainer's rollout worker cycles the prompts as long as training runs: any size serves.
     if size is not None and launch_args is not None and script_args.trainer != "async":
         check_dataset_size(size, args, script_args, launched_processes(launch_args))
@@ -190,6 +192,14 @@ def _check_model(model_args) -> None:
         raise RecipeError(f"`model_name_or_path`: unknown built-in {name!r}"
                           f"{did_you_mean(name, [BUILTIN_PREFIX + m for m in BUILTIN_MODELS])}. Fix: use one of "
                           f"{[BUILTIN_PREFIX + m for m in BUILTIN_MODELS]} or a hub id / local path.")
+
+
+def _probe_model(key: str, name: str) -> None:
+    """A hub model that is neither a local path, nor cached, nor reachable: one line (`trl_gspo.hub`)."""
+    try:
+        check_model_source(name, key)
+    except ValueError as err:
+        raise RecipeError(str(err)) from None
 
 
 def _builtin(name: str | None) -> str | None:
@@ -290,50 +300,6 @@ def _dataset_size(script_args, dataset_args, probe: bool) -> int | None:
     return split.num_examples if split is not None and split.num_examples else None
 
 
-# Seconds the checks wait for the Hub to accept a connection before they treat it as unreachable and read the cache
-# only. Without this, each Hub request retries five times with backoff (about 30 s) before it fails.
-HUB_PROBE_TIMEOUT = 3.0
-
-
-def hub_unreachable(timeout: float = HUB_PROBE_TIMEOUT) -> str | None:
-    """Why the Hub cannot be reached from here (no such host, connection refused, no answer within `timeout`
-    seconds), or None when its endpoint (`HF_ENDPOINT`, or the proxy the environment names for it) accepts a TCP
-    connection. One attempt, bounded in time, name lookup included."""
-    import socket
-    import threading
-    import urllib.parse
-    import urllib.request
-
-    from huggingface_hub import constants
-
-    url = urllib.parse.urlsplit(constants.ENDPOINT)
-    host, port = url.hostname, url.port or (443 if url.scheme == "https" else 80)
-    proxy = urllib.request.getproxies().get(url.scheme)
-    if proxy and not urllib.request.proxy_bypass(host):
-        parsed = urllib.parse.urlsplit(proxy if "://" in proxy else f"http://{proxy}")
-        host, port = parsed.hostname, parsed.port or (443 if parsed.scheme == "https" else 80)
-    outcome = []
-
-    def connect() -> None:
-        try:
-            socket.create_connection((host, port), timeout=timeout).close()
-            outcome.append(None)
-        except OSError as err:
-            outcome.append(f"{host}:{port}: {err.strerror or err}")
-
-    probe = threading.Thread(target=connect, daemon=True)  # a name lookup can outlast the socket's timeout
-    probe.start()
-    probe.join(timeout)
-    return outcome[0] if outcome else f"{host}:{port}: no answer within {timeout:g} s"
-
-
-@functools.lru_cache(maxsize=None)
-def _hub_unreachable_once(endpoint: str) -> str | None:
-    """`hub_unreachable()`, asked once per process and Hub endpoint: every dataset of a recipe shares the answer, so
-    an unreachable Hub costs one probe's timeout, not one per dataset."""
-    return hub_unreachable()
-
-
 class _CacheOnly:
     """`datasets` and `huggingface_hub` in offline mode (the cache only) inside the block, as with HF_HUB_OFFLINE=1."""
 
@@ -362,7 +328,7 @@ def _probe_dataset(key: str, path: str, config_name: str | None, **data):
     from huggingface_hub import constants
 
     offline = datasets.config.HF_HUB_OFFLINE
-    unreachable = None if offline else _hub_unreachable_once(constants.ENDPOINT)
+    unreachable = None if offline else hub_unreachable_once(constants.ENDPOINT)
     try:
         with _CacheOnly() if unreachable else contextlib.nullcontext():
             return datasets.load_dataset_builder(path, config_name, **data).info

@@ -70,6 +70,10 @@ def model_config(model, args):
         return getattr(model, "config", None)
     from transformers import AutoConfig
 
+    from ..hub import check_model_source
+
+    check_model_source(model)  # neither local, nor cached, nor reachable: one line, before transformers' retries
+
     init = args.model_init_kwargs or {}
     try:
         return AutoConfig.from_pretrained(model, revision=init.get("revision"),
