@@ -76,3 +76,47 @@ def test_each_family_trains_a_step_or_is_refused_at_construction(name, tmp_path,
     trainer.train()
     (logged,) = [h for h in trainer.state.log_history if "loss" in h]
     assert math.isfinite(logged["loss"]) and "gspo/ratio_mean" in logged
+
+
+def test_a_model_neither_local_nor_cached_nor_reachable_is_refused_in_one_line(monkeypatch, tmp_path):
+    """Offline, or with the Hub out of reach, a Hub id that is not cached fails at once naming `model`, instead of
+    transformers' retries and traceback; a cached one, a local path and a missing path (transformers says so at once)
+    pass."""
+    from huggingface_hub import constants
+    from support.helpers import hub_out_of_reach
+
+    from trl_gspo.trainer.model_checks import ModelSourceError, check_model_source
+
+    cache = tmp_path / "cache"
+    hub_out_of_reach(monkeypatch, cache)
+    with pytest.raises(ModelSourceError, match=r"^`model`: 'org/not-here' is neither a local path nor a cached "
+                                               r"model, and the Hub cannot be reached from here \(127\.0\.0\.1:\d+: "
+                                               r"Connection refused\)\. Fix: check the network"):
+        check_model_source("org/not-here")
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    with pytest.raises(OSError, match=r"offline mode is on \(HF_HUB_OFFLINE\)\. Fix: give a local path"):
+        check_model_source("org/not-here")  # an OSError where transformers raises one, and a ValueError
+    snapshot = cache / "models--org--cached" / "snapshots" / ("0" * 40)
+    snapshot.mkdir(parents=True)
+    (snapshot / "config.json").write_text("{}")
+    (cache / "models--org--cached" / "refs").mkdir()
+    (cache / "models--org--cached" / "refs" / "main").write_text("0" * 40)
+    check_model_source("org/cached")
+    check_model_source(str(tmp_path))
+    check_model_source(str(tmp_path / "nothing-here"))
+
+
+def test_the_trainer_refuses_an_unreachable_model_before_loading_anything(monkeypatch, tmp_path):
+    from support.helpers import hub_out_of_reach
+
+    from trl_gspo.trainer.model_checks import ModelSourceError
+
+    hub_out_of_reach(monkeypatch, tmp_path / "cache")
+
+    def loaded(*args, **kwargs):
+        pytest.fail("transformers asked the Hub before the refusal")
+
+    monkeypatch.setattr(transformers.AutoConfig, "from_pretrained", loaded)
+    monkeypatch.setattr(trl.GRPOTrainer, "__init__", loaded)
+    with pytest.raises(ModelSourceError, match="^`model`: 'org/not-here' is neither a local path nor a cached model"):
+        GSPOTrainer("org/not-here", digit_reward, args=tiny_config(tmp_path / "out"), train_dataset=toy_dataset())

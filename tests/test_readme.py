@@ -65,3 +65,31 @@ def test_a_recipe_card_without_its_keys_or_source_is_refused(tmp_path):
         recipe.write_text("\n".join(broken))
         with pytest.raises(ValueError, match=re.escape(message)):
             recipe_table.card(recipe)
+
+
+def test_the_python_example_without_the_hub_stops_in_one_line(monkeypatch, tmp_path, fake_accelerator):
+    """The README's Python example, run as written on a machine where the Hub cannot be reached: it stops at
+    `GSPOTrainer(model="Qwen/Qwen3-0.6B", ...)` with one line naming `model`, the reason and the fix, before any
+    retry loop (transformers is never asked), instead of a minute of "Retrying in 1s" and a traceback."""
+    import transformers
+    from support.helpers import hub_out_of_reach
+
+    from trl_gspo.trainer.model_checks import ModelSourceError
+
+    example = re.search(r"```python\n(.*?)```", (ROOT / "README.md").read_text(), flags=re.S).group(1)
+    assert 'GSPOTrainer(model="Qwen/Qwen3-0.6B"' in example
+    fake_accelerator(True)  # the example asks for bf16 (a GPU); the refusal comes before any device is used
+    hub_out_of_reach(monkeypatch, tmp_path / "cache")
+    monkeypatch.chdir(tmp_path)
+
+    def asked(*args, **kwargs):
+        pytest.fail("transformers asked the Hub")
+
+    monkeypatch.setattr(transformers.AutoConfig, "from_pretrained", asked)
+    with pytest.raises(ModelSourceError) as raised:
+        exec(compile(example, "README.md", "exec"), {"__name__": "readme_example"})
+    message = str(raised.value)
+    assert "\n" not in message and message.startswith(
+        "`model`: 'Qwen/Qwen3-0.6B' is neither a local path nor a cached model, and the Hub cannot be reached from "
+        "here (127.0.0.1:"), message
+    assert "Fix: check the network" in message

@@ -126,3 +126,22 @@ def tiny_config(output_dir, config_cls=None, **overrides):
     )
     kwargs.update(overrides)
     return config_cls(**kwargs)
+
+
+def hub_out_of_reach(monkeypatch, cache_dir) -> str:
+    """The Hub as on a machine without it: online mode, its endpoint a closed local port, an empty cache; the checks'
+    one probe asked afresh. Returns the endpoint."""
+    import functools
+
+    from huggingface_hub import constants
+
+    from trl_gspo.trainer import model_checks
+
+    endpoint = f"http://127.0.0.1:{free_port()}"  # nothing listens there: connection refused at once
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
+    monkeypatch.setattr(constants, "ENDPOINT", endpoint)
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(cache_dir))
+    # a probe cache of the test's own, so that an answer about this endpoint outlives neither the test nor its setting
+    monkeypatch.setattr(model_checks, "hub_unreachable_once",
+                        functools.lru_cache(maxsize=None)(lambda endpoint: model_checks.hub_unreachable()))
+    return endpoint

@@ -11,7 +11,8 @@ import math
 import os
 
 from ..config import did_you_mean
-from ..hub import HUB_PROBE_TIMEOUT, check_model_source, hub_unreachable, hub_unreachable_once  # noqa: F401
+from ..trainer.model_checks import (HUB_PROBE_TIMEOUT, check_model_source, hub_unreachable,  # noqa: F401
+                                    hub_unreachable_once)
 from .recipe import (BUILTIN_DATASETS, BUILTIN_MODELS, BUILTIN_PREFIX, BUILTIN_TASK_MODELS, COLD_START_LAUNCHERS,
                      CONVERSATIONAL_BUILTIN_DATASETS, RecipeError, _check_builtin_dataset, cold_start_before_launch,
                      launch_options, launched_machines, launched_processes, launcher_type)
