@@ -46,9 +46,11 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-# Third-party warnings a `trl-gspo` run cannot act on, which it filters (trl_gspo/launch/quiet.py).
+# Third-party warnings a `trl-gspo` run filters (trl_gspo/launch/quiet.py), and DeepSpeed's accelerator line, which
+# a CPU run (`use_cpu: true`) prevents by naming the CPU to DeepSpeed (trl_gspo/launch/cli.py).
 RUN_NOISE = ("`gradient_checkpointing` is deprecated", "`is_gradient_checkpointing` is deprecated",
-             "were not passed to `accelerate launch`", "`--num_processes` was set to a value of")
+             "were not passed to `accelerate launch`", "`--num_processes` was set to a value of",
+             "Setting accelerator to CPU. If you have GPU or other accelerator")
 
 
 def check_run_output(output: str, cold_start: bool = True) -> str:

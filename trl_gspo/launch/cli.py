@@ -129,6 +129,8 @@ def main(argv: list[str] | None = None) -> int:
 
     # When this command started: the run summary's wall time counts from there.
     overrides, environment = [], {**os.environ, COMMAND_STARTED_ENV: str(command_started())}
+    if training_args.use_cpu:  # DeepSpeed's accelerator is then the CPU: said, it is not looked for (one warning a
+        environment.setdefault("DS_ACCELERATOR", "cpu")  # process otherwise: docs/warnings.md)
     if cold_start_before_launch(script_args, model_args, launch_args):
         kind = COLD_START_LAUNCHERS[launcher_type(launch_args)]
         returncode, path, report, seconds = _cold_start_before_launch(argv, script_args, training_args, model_args,
