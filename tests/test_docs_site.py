@@ -157,3 +157,51 @@ def test_the_built_page_opens_with_the_box(site, page):
 def test_no_table_lost_rows_in_rendering(site, page):
     text = page.read_text()
     assert _html_tables(_html(site, page)) == _md_tables(text), f"{page.name}: body rows per table, HTML vs Markdown"
+
+
+def _browser() -> str:
+    """A headless Chromium: CI's docs leg installs Debian's `chromium`."""
+    import shutil
+
+    found = next((shutil.which(name) for name in ("chromium", "chromium-browser", "google-chrome") if shutil.which(name)),
+                 None)
+    if found is None:
+        pytest.skip("no headless browser (chromium) on this machine: apt-get install chromium")
+    return found
+
+
+def _rendered(page_html: Path) -> str:
+    """The page's DOM after its scripts ran in a real browser (headless Chromium, from the file: no network)."""
+    result = subprocess.run([_browser(), "--headless", "--no-sandbox", "--disable-gpu", "--allow-file-access-from-files",
+                             "--virtual-time-budget=15000", "--dump-dom", page_html.as_uri()],
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0 and "</html>" in result.stdout, result.stderr[-2000:]
+    return result.stdout
+
+
+MATH_PAGES = [page for page in PAGES if re.search(r"\$\$|(?<![\\$])\$[^$\s][^$]*\$", page.read_text())]
+
+
+@pytest.mark.docs
+def test_the_pages_hold_latex_not_code_blocks_of_math():
+    assert any(page.name == "gspo.md" for page in MATH_PAGES), [page.name for page in MATH_PAGES]
+
+
+@pytest.mark.docs
+@pytest.mark.parametrize("page", MATH_PAGES, ids=[page.name for page in MATH_PAGES])
+def test_equations_render_in_a_browser(site, page):
+    """Every equation of the page is typeset by the site's own KaTeX (no CDN: the site is read from disk): one
+    `katex` element per `arithmatex` element, no KaTeX error, and no LaTeX delimiter left in the page's text."""
+    path = site / page.stem / "index.html"
+    built = path.read_text()
+    expected = len(re.findall(r'class="arithmatex"', built))
+    assert expected > 0, f"{page.name}: no math in the built page"
+    assert "cdn" not in "".join(re.findall(r'<script[^>]+src="([^"]+)"', built)).lower()
+    dom = _rendered(path)
+    rendered = len(re.findall(r'<span class="katex(?:-display)?">', dom))
+    typeset = len(re.findall(r'<span class="katex">', dom))
+    assert typeset >= expected, f"{page.name}: {typeset} equations typeset of {expected} ({rendered} spans)"
+    assert "katex-error" not in dom, re.search(r'katex-error[^>]*>([^<]*)', dom).group(1)
+    text = re.sub(r"<annotation[^>]*>.*?</annotation>", "", re.sub(r"<script.*?</script>", "", dom, flags=re.S),
+                  flags=re.S)
+    assert "$$" not in text and "\\[" not in text and "\\(" not in text, f"{page.name}: raw LaTeX left"
