@@ -93,3 +93,30 @@ def test_the_python_example_without_the_hub_stops_in_one_line(monkeypatch, tmp_p
         "`model`: 'Qwen/Qwen3-0.6B' is neither a local path nor a cached model, and the Hub cannot be reached from "
         "here (127.0.0.1:"), message
     assert "Fix: check the network" in message
+
+
+def test_every_readme_line_that_needs_the_hub_says_so():
+    """A command of the README whose recipe names a model or dataset from the Hub (not `builtin:`), and the Python
+    example (a Hub model), say on their line, or the comment line just above, that they need the Hub: offline, the
+    rest of the README runs as written."""
+    import yaml
+
+    text = (ROOT / "README.md").read_text()
+    checked = 0
+    for block in re.findall(r"```bash\n(.*?)```", text, flags=re.S):
+        lines = block.splitlines()
+        for i, line in enumerate(lines):
+            recipe = re.search(r"--config (recipes/\S+\.yaml)", line)
+            if not recipe or line.lstrip().startswith("#"):
+                continue
+            settings = yaml.safe_load((ROOT / recipe.group(1)).read_text())
+            names = [settings.get("model_name_or_path") or "", settings.get("dataset_name") or ""]
+            if all(name.startswith("builtin:") for name in names):
+                continue
+            checked += 1
+            said = line + (lines[i - 1] if i and lines[i - 1].lstrip().startswith("#") else "")
+            assert "needs" in said and "the Hub" in said, f"README: {line.strip()!r} needs the Hub and does not say so"
+    assert checked >= 3
+    example = re.search(r"```python\n(.*?)```", text, flags=re.S).group(1)
+    if re.search(r'model="[\w.-]+/[\w.-]+"', example):
+        assert "hub" in example.splitlines()[0].lower(), example.splitlines()[0]
