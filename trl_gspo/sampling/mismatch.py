@@ -32,11 +32,11 @@ __all__ = ["SAMPLER_GAP_FLOOR", "SamplerWatch", "check_sampler_round", "finish_m
 
 # A round's mean |log r_t| counts as drift when it exceeds both DRIFT_FACTOR x the first round's and the first round's
 # + DRIFT_MARGIN nats: a correct engine stays near its round-1 gap as training moves the weights, and one that missed
-# a weight sync grows far past both bounds (the measurement: docs/sampling.md#a-real-vllm-engine-pytest-m-vllm).
+# a weight sync grows far past both bounds (measured: docs/results.md#the-sampler-gap-on-vllms-cpu-build).
 DRIFT_FACTOR, DRIFT_MARGIN = 4.0, 0.05
 # Beyond this mean |log r_t| (nats, trainer and sampler on the same weights) no precision gap explains a round, first
-# round included: a bf16 sampler against a float32 trainer measured 0.0009-0.0083 (docs/sampling.md, CPU and GPU
-# size), an engine computing with other weights 2.44-3.41 (a missed sync, docs/sampling.md).
+# round included: a bf16 sampler against a float32 trainer measured 0.0009-0.0083 (CPU and GPU size), an engine
+# computing with other weights 2.44-3.41 (a missed sync): docs/results.md#the-sampler-gap-on-vllms-cpu-build.
 SAMPLER_GAP_FLOOR = 0.1
 
 
@@ -148,9 +148,10 @@ def check_sampler_round(values: dict, reference: float | None, min_agreement: fl
             f"routing_replay='sampler': only {agreement:.3f} of the sampler's (token, layer) routes equal the "
             f"trainer's own in TRL's old-policy pass, below routing_replay_min_agreement={min_agreement}. Sampler "
             "and trainer hold the same weights there, so only precision and kernels may differ (measured 0.987-1.0, "
-            "docs/sampling.md). Cause: routes shifted against their tokens, routes of another model, or a sampler "
-            "that missed the weight sync. Fix: check the sampler's route capture and weight sync; lower "
-            "routing_replay_min_agreement only for a gap you measured as legitimate; or set routing_replay='old'.")
+            "docs/results.md#r3-on-cpu-route-checks-and-layouts). Cause: routes shifted against their tokens, routes "
+            "of another model, or a sampler that missed the weight sync. Fix: check the sampler's route capture and "
+            "weight sync; lower routing_replay_min_agreement only for a gap you measured as legitimate; or set "
+            "routing_replay='old'.")
     gap = values["sampling/abs_log_ratio_mean"]
     if reference is not None and sampler_drifted(reference, gap):
         logger.warning(
@@ -164,7 +165,8 @@ def check_sampler_round(values: dict, reference: float | None, min_agreement: fl
         logger.warning(
             f"SAMPLER GAP: the sampler's log-probs are {gap:.4f} nats (mean |log ratio|) from the trainer's on the "
             f"same weights {when}; a precision gap explains at most ~{SAMPLER_GAP_FLOOR} (a {sampler_dtype} sampler "
-            f"against a {trainer_dtype} trainer here; bf16 vs float32 measured 0.0009-0.0083, docs/sampling.md). The "
+            f"against a {trainer_dtype} trainer here; bf16 vs float32 measured 0.0009-0.0083, "
+            "docs/results.md#the-sampler-gap-on-vllms-cpu-build). The "
             "sampler computes with other weights than the trainer: likely a server serving another checkpoint or "
             "revision, a weight load or sync that did not reach the engine's kernels, a quantized or mis-configured "
             "engine (dtype, rope scaling, chat template tokens), or other sampling parameters than the trainer's "
