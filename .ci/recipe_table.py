@@ -3,14 +3,18 @@
 Every recipe under recipes/ (launcher configs in recipes/accelerate/ aside) opens with a card of four keys, then a
 line holding only `#`:
 
-    # What: ...
+    # What: the loss (GSPO, GSPO-token or GRPO), its replay, LoRA, how it samples (vLLM mode, TP N) ...
     # Sized for: ...
-    # Memory per GPU: ... (estimate ...) or (measured on <device> ...)
-    # Ran on a GPU: ...
+    # Memory per GPU: an estimate (saying `estimate`), or a link to the measurement in docs/results.md
+    # Ran on a GPU: no (...), or yes: ... (docs/results.md#<section>)
     #
 
-A value may continue on lines indented by two spaces (`#  ...`; three spaces mark a command). The table sits between the two markers below in
-docs/recipes.md; tests/test_readme.py fails when it differs from what this script generates.
+A value may continue on lines indented by two spaces (`#  ...`; three spaces mark a command). A header carries no
+measured figure (no wall time, reward, measured memory or step time, no date): those live in docs/results.md, and the
+header links the section that holds them, `docs/results.md#<anchor>` (the heading's slug on the docs site).
+tests/test_recipe_headers.py checks that, and each claim of a header against what its recipe resolves to. The table
+sits between the two markers below in docs/recipes.md; tests/test_readme.py fails when it differs from what this
+script generates.
 
     python .ci/recipe_table.py            # print the table
     python .ci/recipe_table.py --write    # rewrite it in docs/recipes.md
@@ -54,8 +58,9 @@ def card(recipe: Path) -> dict[str, str]:
     if missing:
         raise ValueError(f"{recipe}: the header's card lacks {missing}; see .ci/recipe_table.py")
     memory = values["Memory per GPU"]
-    if memory != "-" and "estimate" not in memory and "measured on" not in memory:
-        raise ValueError(f"{recipe}: 'Memory per GPU: {memory}' must say 'estimate' or 'measured on <device>'")
+    if memory != "-" and "estimate" not in memory and "docs/results.md#" not in memory:
+        raise ValueError(f"{recipe}: 'Memory per GPU: {memory}' must say 'estimate' or link its measurement "
+                         "(docs/results.md#section)")
     return values
 
 
