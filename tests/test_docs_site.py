@@ -174,7 +174,7 @@ def _rendered(page_html: Path) -> str:
     """The page's DOM after its scripts ran in a real browser (headless Chromium, from the file: no network)."""
     result = subprocess.run([_browser(), "--headless", "--no-sandbox", "--disable-gpu", "--allow-file-access-from-files",
                              "--virtual-time-budget=15000", "--dump-dom", page_html.as_uri()],
-                            capture_output=True, text=True, timeout=120)
+                            capture_output=True, text=True, timeout=120, env=cpu_env())
     assert result.returncode == 0 and "</html>" in result.stdout, result.stderr[-2000:]
     return result.stdout
 

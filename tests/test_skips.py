@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from support.helpers import cpu_env
 
 
 PROBE = '''
@@ -34,7 +35,7 @@ def test_ci_fails_a_run_with_a_skip_the_machine_does_not_explain(tmp_path, selec
     if importlib.util.find_spec("vllm") is not None and "needs_vllm" in select:
         code = 1  # vLLM is installed: that skip is not explained either
     (tmp_path / "test_probe.py").write_text(PROBE)
-    env = dict(os.environ, PYTHONPATH=str(Path(__file__).parent), TRL_GSPO_STRICT_SKIPS="1" if strict else "0")
+    env = cpu_env(PYTHONPATH=str(Path(__file__).parent), TRL_GSPO_STRICT_SKIPS="1" if strict else "0")
     result = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "conftest", "-p", "no:cacheprovider",
                              "-c", os.devnull, "--rootdir", str(tmp_path), "-m", "vllm or not vllm", "-k", select,
                              str(tmp_path / "test_probe.py")], capture_output=True, text=True, env=env, cwd=tmp_path)
