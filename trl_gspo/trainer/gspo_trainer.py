@@ -93,7 +93,7 @@ class GSPOTrainer(CheckpointMixin, ToolTurnsMixin, GRPOTrainer):
         self._routing = TrainerRouting.build(base, self.args, runs_old_policy_pass(self.args))
         self._replay_stack, self._replay_opened = None, False  # open while a micro-batch runs forward and backward
         self._lora = TrainerLora.build(self)  # LoRA folded for rollouts and weight syncs, base untouched; or None
-        if self.use_vllm:
+        if self.use_vllm and self.vllm_mode == "server":
             self._sync_weights_together()
         self._adaptive_band = (AdaptiveClipBand.build(self.args, self.epsilon_low, self.epsilon_high)
                                if self.loss_type in GSPO_LOSS_TYPES else None)  # clip_band="adaptive", or None
@@ -144,8 +144,10 @@ class GSPOTrainer(CheckpointMixin, ToolTurnsMixin, GRPOTrainer):
             self._sampler_watch.check(values)
 
     def _sync_weights_together(self) -> None:
-        """A vLLM weight sync that fails on one rank (the main one alone sends to a server; a LoRA `W + delta` may
-        fail on any) raises on every rank (trl_gspo/ranks.py): one all-reduced flag per sync."""
+        """Server mode: a weight sync that fails on one rank (the main one alone sends to the server) raises on every
+        rank (trl_gspo/ranks.py): one all-reduced flag per sync. Every rank syncs at the same steps there. Not in
+        colocate mode: with sleep mode TRL syncs before each generate call, and in a tool loop at tensor-parallel
+        size 1 the ranks make different numbers of calls, so a flag per sync would pair with another collective."""
         self.vllm_generation.sync_weights = together(self.accelerator, self.vllm_generation.sync_weights)
 
     def _server_guards(self) -> contextlib.ExitStack:
