@@ -157,7 +157,7 @@ def test_the_hub_probe_answers_within_its_timeout(monkeypatch):
 
     from huggingface_hub import constants
 
-    from trl_gspo.launch.checks import hub_unreachable
+    from trl_gspo.trainer.model_checks import hub_unreachable
 
     for name in ("https_proxy", "HTTPS_PROXY", "http_proxy", "HTTP_PROXY", "all_proxy", "ALL_PROXY"):
         monkeypatch.delenv(name, raising=False)

@@ -358,6 +358,11 @@ def _nearest(values, target: int, count: int = 2) -> list[int]:
     return sorted(values, key=lambda value: (abs(value - target), value))[:count]
 
 
+def _nearest_multiples(step: int, target: int) -> str:
+    """The two multiples of `step` nearest `target`, "a or b"."""
+    return " or ".join(map(str, _nearest([step * k for k in range(1, target // step + 3)], target)))
+
+
 def _batch_shape_error(args, message: str) -> ValueError | None:
     """TRL's batch-shape refusals, which name derived sizes the user never set ("generation_batch_size (128) must be
     divisible by num_generations (7)"), as ours: the option the user set, the sizes behind the derived one, and the
@@ -372,11 +377,10 @@ def _batch_shape_error(args, message: str) -> ValueError | None:
                  if args.generation_batch_size == per_device * world * (steps or 0) else "generation_batch_size")
         divisors = [d for d in range(2, batch + 1) if batch % d == 0]
         step = size // math.gcd(size, world * (steps or 1))  # per_device_train_batch_size must be a multiple of it
-        per_device_fits = _nearest([step * k for k in range(1, per_device // step + 3)], per_device)
         problem = (f"num_generations {size} does not divide the rollout batch of {batch} completions ({sizes}): "
                    "each prompt's group must fall whole in one rollout batch.")
         by_groups = f"num_generations={' or '.join(map(str, _nearest(divisors, size)))}"
-        by_batch = f"per_device_train_batch_size={' or '.join(map(str, per_device_fits))}"
+        by_batch = f"per_device_train_batch_size={_nearest_multiples(step, per_device)}"
         default = next(f.default for f in dataclasses.fields(args) if f.name == "num_generations")
         if size != default:  # the user set num_generations
             return _error("num_generations", problem, f"{by_groups}, or keep {size} and set {by_batch}.")
@@ -386,19 +390,17 @@ def _batch_shape_error(args, message: str) -> ValueError | None:
     if evaluation:
         per_device_eval, processes, size = map(int, evaluation.groups())
         step = size // math.gcd(size, processes)
-        fits = _nearest([step * k for k in range(1, per_device_eval // step + 3)], per_device_eval)
         option = "num_generations_eval" if getattr(args, "num_generations_eval", None) else "num_generations"
         return _error("per_device_eval_batch_size", f"{per_device_eval} x {processes} process(es) does not hold "
                       f"whole groups of {size} completions ({option}).",
-                      f"per_device_eval_batch_size={' or '.join(map(str, fits))}.")
+                      f"per_device_eval_batch_size={_nearest_multiples(step, per_device_eval)}.")
     global_batch = re.fullmatch(r"generation_batch_size \((\d+)\) must be divisible by the global batch size "
                                 r"\((\d+)\)\.", message)
     if global_batch:
         batch, step = map(int, global_batch.groups())
-        fits = _nearest([step * k for k in range(1, batch // step + 3)], batch)
         return _error("generation_batch_size", f"{batch} is not a whole number of optimizer micro-batches "
                       f"(per_device_train_batch_size {per_device} x {world} process(es) = {step}).",
-                      f"generation_batch_size={' or '.join(map(str, fits))}, or set steps_per_generation instead.")
+                      f"generation_batch_size={_nearest_multiples(step, batch)}, or set steps_per_generation instead.")
     if "'generation_batch_size' and 'steps_per_generation' can not be both configured" in message:
         return _error("generation_batch_size", f"both generation_batch_size ({args.generation_batch_size}) and "
                       f"steps_per_generation ({steps}) are set; each fixes the rollout batch.",

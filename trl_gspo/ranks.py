@@ -92,12 +92,14 @@ def raise_together(accelerator, error: BaseException | None) -> None:
 
 
 def together(accelerator, step):
-    """`step` (called with no arguments) on every rank, then `raise_together`."""
-    def run_together():
-        failure = None
+    """`step` wrapped to run on every rank and then `raise_together`: called with `step`'s arguments, it returns
+    `step`'s result when no rank failed."""
+    def run_together(*args, **kwargs):
+        failure = result = None
         try:
-            step()
+            result = step(*args, **kwargs)
         except Exception as error:  # noqa: BLE001 - raised by raise_together, on every rank
             failure = error
         raise_together(accelerator, failure)
+        return result
     return run_together

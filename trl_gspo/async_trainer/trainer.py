@@ -48,7 +48,7 @@ from .. import metrics as gspo_metrics
 from ..config import GSPO_LOSS_TYPES, band_description, default_output_dir
 from ..lora_merge import exact_sync_stream, merge_calls_skipped
 from ..losses import gspo_packed_loss, nonfinite_counts, unpack_segments
-from ..ranks import raise_together
+from ..ranks import together
 from ..routing.rollout import wrapping_method
 from ..routing.replay import RoutingReplay
 from ..trainer.clip_band import AdaptiveClipBand, ClipBandStep, band_columns, band_stats
@@ -233,19 +233,22 @@ class AsyncGSPOTrainer(AsyncGRPOTrainer):
             def send(weights):
                 try:
                     send_weights(weights)
-                except Exception as error:  # noqa: BLE001 - raised by raise_together, on every rank
+                except Exception as error:  # noqa: BLE001 - raised after TRL's closing barrier, on every rank
                     failures.append(error)
                     for _ in weights:  # the rest of the stream: its gathers (FSDP2) are collectives
                         pass
             return send
 
         transfer = self.weight_transfer if self.accelerator.is_main_process else None
-        with wrapping_method(transfer, "send_weights", keeping) if transfer else contextlib.nullcontext():
-            try:
-                super()._sync_weight()
-            except Exception as error:  # noqa: BLE001 - raised by raise_together, on every rank
-                failures.append(error)
-        raise_together(self.accelerator, failures[0] if failures else None)
+        sync_weight = super()._sync_weight
+
+        def sync_then_raise():
+            with wrapping_method(transfer, "send_weights", keeping) if transfer else contextlib.nullcontext():
+                sync_weight()
+            if failures:
+                raise failures[0]
+
+        together(self.accelerator, sync_then_raise)()
         self._policy_version = broadcast_object_list([self.model_version], from_process=0)[0]
         self._synced_at_step = self.state.global_step
 

@@ -11,8 +11,7 @@ import math
 import os
 
 from ..config import did_you_mean
-from ..trainer.model_checks import (HUB_PROBE_TIMEOUT, check_model_source, hub_unreachable,  # noqa: F401
-                                    hub_unreachable_once)
+from ..trainer.model_checks import check_model_source, hub_unreachable_once
 from .recipe import (BUILTIN_DATASETS, BUILTIN_MODELS, BUILTIN_PREFIX, BUILTIN_TASK_MODELS, COLD_START_LAUNCHERS,
                      CONVERSATIONAL_BUILTIN_DATASETS, RecipeError, _check_builtin_dataset, cold_start_before_launch,
                      launch_options, launched_machines, launched_processes, launcher_type)
@@ -196,7 +195,8 @@ def _check_model(model_args) -> None:
 
 
 def _probe_model(key: str, name: str) -> None:
-    """A hub model that is neither a local path, nor cached, nor reachable: one line (`trl_gspo.hub`)."""
+    """A hub model that is neither a local path, nor cached, nor reachable: one line
+    (`trl_gspo.trainer.model_checks.check_model_source`)."""
     try:
         check_model_source(name, key)
     except ValueError as err:

@@ -366,20 +366,10 @@ def capture_routes(vllm_generation, accelerator, split=None):
 
 def _together(accelerator, take):
     """`take` in server mode, where one rank may refuse its own slice's routes alone: every rank raises then, through
-    one all-reduced flag per call (`trl_gspo.ranks.raise_together`). Every rank makes each server-mode generate call
+    one all-reduced flag per call (`trl_gspo.ranks.together`). Every rank makes each server-mode generate call
     (TRL's gather and broadcast; tool turns in lockstep), so the flags pair up."""
-    from ..ranks import raise_together
+    from ..ranks import together
 
     if accelerator is None or accelerator.num_processes == 1:
         return take
-
-    def take_together(completion_lengths, index_dtype):
-        failure = routes = None
-        try:
-            routes = take(completion_lengths, index_dtype)
-        except Exception as error:  # noqa: BLE001 - raised below, on every rank
-            failure = error
-        raise_together(accelerator, failure)
-        return routes
-
-    return take_together
+    return together(accelerator, take)
