@@ -60,10 +60,21 @@ NON_LOSS_FIELDS = (
 # Fields `GSPOConfig` adds to `GRPOConfig`.
 GSPO_CONFIG_FIELDS = ("routing_replay", "routing_replay_offload", "routing_replay_min_agreement", "vllm_dtype",
                       "vllm_server_stall_timeout", "old_logps", "merge_adapters_for_rollout", "exact_lora_merge",
-                      "clip_band", "clip_band_target", "clip_band_min", "clip_band_max")
+                      "clip_band", "clip_band_target", "clip_band_min", "clip_band_max", "rank_wait_timeout")
 VLLM_DTYPES = ("auto", "float32", "bfloat16", "float16")
 DEFAULT_MIN_ROUTE_AGREEMENT = 0.75  # routing_replay_min_agreement's default (a plain GRPOConfig has no such field)
 DEFAULT_SERVER_STALL_TIMEOUT = 300.0  # vllm_server_stall_timeout's default, likewise
+DEFAULT_RANK_WAIT_TIMEOUT = 600.0  # rank_wait_timeout's default: well under the process group's 1800 s
+RANK_WAIT_TIMEOUT_FIELD = dict(
+    default=DEFAULT_RANK_WAIT_TIMEOUT,
+    metadata={
+        "help": "Several processes: seconds a phase in which every rank must arrive (a weight sync, computing "
+        "rewards, saving a checkpoint) may last on any rank before every rank stops with an error naming the phase "
+        "(trl_gspo/rank_watch.py). A rank that never arrives (a reward function that never returns) would otherwise "
+        "hold the others until the process group's timeout (`ddp_timeout`, 1800 s). Raise it for a slower reward "
+        "or checkpoint; 0 turns the bound off. A rank that raises stops the others at once, whatever this is."
+    },
+)
 
 # GSPO paper (arXiv 2507.18071), Section 5.1: clip range 3e-4 / 4e-4, no KL term, and each rollout batch
 # split into 4 mini-batches for gradient updates.
@@ -214,6 +225,7 @@ class GSPOConfig(GRPOConfig):
             "in another dtype than the trainer. In server mode set the server's --dtype instead."
         },
     )
+    rank_wait_timeout: float = field(**RANK_WAIT_TIMEOUT_FIELD)
     vllm_server_stall_timeout: float = field(
         default=DEFAULT_SERVER_STALL_TIMEOUT,
         metadata={
@@ -284,7 +296,8 @@ _FIELD_TYPES = {"loss_type": (str, "a string", "'gspo'"), "importance_sampling_l
                 "merge_adapters_for_rollout": (bool, "a bool", "False"), "exact_lora_merge": (bool, "a bool", "False"),
                 "routing_replay_min_agreement": (numbers.Real, "a number", "0.75"),
                 "vllm_dtype": (str, "a string", "'float32'"),
-                "vllm_server_stall_timeout": (numbers.Real, "a number of seconds", "600"), "old_logps": (str, "a string", "'sampler'"),
+                "vllm_server_stall_timeout": (numbers.Real, "a number of seconds", "600"),
+                "rank_wait_timeout": (numbers.Real, "a number of seconds", "1200"), "old_logps": (str, "a string", "'sampler'"),
                 "epsilon": (numbers.Real, "a number", "3e-4"), "epsilon_high": (numbers.Real, "a number", "4e-4"),
                 "clip_band": (str, "a string", "'adaptive'"), "clip_band_target": (numbers.Real, "a number", "0.15"),
                 "clip_band_min": (numbers.Real, "a number", "1e-5"), "clip_band_max": (numbers.Real, "a number", "0.2"),
@@ -467,6 +480,14 @@ def default_output_dir(model, suffix: str) -> str:
     return f"{str(name).rstrip('/').split('/')[-1] or 'model'}-{suffix}"
 
 
+def check_rank_wait_timeout(args) -> None:
+    timeout = getattr(args, "rank_wait_timeout", DEFAULT_RANK_WAIT_TIMEOUT)
+    if not (timeout >= 0 and math.isfinite(timeout)):
+        raise _error("rank_wait_timeout", f"must be a finite number of seconds >= 0, got {timeout}.",
+                     f"use the default {DEFAULT_RANK_WAIT_TIMEOUT:.0f}, more for a phase that may take longer on one "
+                     "rank, or 0 to turn the bound off.")
+
+
 def validate_gspo_args(args: GRPOConfig) -> None:
     """Check a `GRPOConfig`/`GSPOConfig` for options GSPO cannot honour. Raises `ValueError` naming the option.
 
@@ -499,6 +520,7 @@ def validate_gspo_args(args: GRPOConfig) -> None:
         raise _error("vllm_server_stall_timeout", f"must be a finite number of seconds >= 0, got {stall_timeout}.",
                      f"use the default {DEFAULT_SERVER_STALL_TIMEOUT:.0f}, more for a server that may pause longer, "
                      "or 0 to turn the watch off.")
+    check_rank_wait_timeout(args)
     check_old_logps_option(args, did_you_mean(getattr(args, "old_logps", "trainer"), OLD_LOGPS_SOURCES))
     vllm_dtype = getattr(args, "vllm_dtype", "auto")
     if vllm_dtype not in VLLM_DTYPES:

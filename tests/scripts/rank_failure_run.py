@@ -90,7 +90,7 @@ def serve(trainer, tokenizer) -> None:
     trainer.vllm_importance_sampling_correction = False
     if trainer._lora is not None:  # what TrainerLora.build installs when the trainer uses vLLM
         trainer._lora._install_exact_sync()
-    trainer._sync_weights_together()
+    agreed_server_sync(trainer)
 
 
 def main():

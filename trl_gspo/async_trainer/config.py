@@ -8,8 +8,8 @@ from dataclasses import dataclass, field
 
 from trl.experimental.async_grpo import AsyncGRPOConfig
 
-from ..config import (CLIP_BAND_FIELDS, CLIP_BAND_HELP, GSPO_LOSS_TYPES, PAPER_EPSILON_HIGH, PAPER_EPSILON_LOW, _check_types,
-                      check_adaptive_band, check_clip_band, did_you_mean, fill_presets,
+from ..config import (CLIP_BAND_FIELDS, CLIP_BAND_HELP, RANK_WAIT_TIMEOUT_FIELD, GSPO_LOSS_TYPES, PAPER_EPSILON_HIGH, PAPER_EPSILON_LOW, _check_types,
+                      check_adaptive_band, check_clip_band, check_rank_wait_timeout, did_you_mean, fill_presets,
                       parent_errors_as_ours)
 
 # "grpo": TRL's asynchronous loss as it ships (token-level clipped ratio, mean over the micro-batch's tokens).
@@ -102,6 +102,7 @@ class AsyncGSPOConfig(AsyncGRPOConfig):
     clip_band_target: float = field(**CLIP_BAND_FIELDS["clip_band_target"])
     clip_band_min: float = field(**CLIP_BAND_FIELDS["clip_band_min"])
     clip_band_max: float = field(**CLIP_BAND_FIELDS["clip_band_max"])
+    rank_wait_timeout: float = field(**RANK_WAIT_TIMEOUT_FIELD)
 
     def __post_init__(self):
         is_gspo = self.loss_type in GSPO_LOSS_TYPES
@@ -132,6 +133,7 @@ class AsyncGSPOConfig(AsyncGRPOConfig):
                              "unset, or use loss_type='gspo'.")
         check_clip_band(self)
         check_adaptive_band(self)
+        check_rank_wait_timeout(self)
         if self.staleness_correction != "none" and not is_gspo:
             raise ValueError("`staleness_correction`: TRL's asynchronous 'grpo' loss has no decoupled form here. Fix: "
                              "leave staleness_correction='none', or use loss_type='gspo'.")

@@ -48,8 +48,9 @@ from .. import metrics as gspo_metrics
 from ..config import GSPO_LOSS_TYPES, band_description, default_output_dir
 from ..lora_merge import exact_sync_stream, merge_calls_skipped
 from ..losses import gspo_packed_loss, nonfinite_counts, unpack_segments
-from ..ranks import together
-from ..routing.rollout import wrapping_method
+from ..rank_phases import SYNC, RanksStopTogether, kept_failures, rank_wait_timeout
+from ..rank_watch import phase
+from ..ranks import FailedElsewhere
 from ..routing.replay import RoutingReplay
 from ..trainer.clip_band import AdaptiveClipBand, ClipBandStep, band_columns, band_stats
 from ..trainer.lora import exact_sync_model
@@ -148,7 +149,7 @@ def async_setup_summary(args) -> str:
     return text
 
 
-class AsyncGSPOTrainer(AsyncGRPOTrainer):
+class AsyncGSPOTrainer(RanksStopTogether, AsyncGRPOTrainer):
     """`AsyncGRPOTrainer` with `loss_type` "gspo" / "gspo_token" (`AsyncGSPOConfig`); same arguments as TRL's.
 
         trainer = AsyncGSPOTrainer(model="Qwen/Qwen3-30B-A3B", reward_funcs=accuracy_reward, train_dataset=dataset,
@@ -223,33 +224,34 @@ class AsyncGSPOTrainer(AsyncGRPOTrainer):
         return self.accelerator.prepare(DataLoader(dataset, batch_size=1, collate_fn=collator, num_workers=0))
 
     def _sync_weight(self):
-        """TRL's weight sync; then every rank learns the policy's weight version (TRL counts it on the main process
-        only), to age the samples it trains on. A sync that fails on one rank raises on every rank (one all-reduced
-        flag: trl_gspo/ranks.py); a transfer that fails on the main process is kept until TRL's sync has passed its
-        closing barrier, where the other ranks wait."""
+        """TRL's weight sync as an agreed section (trl_gspo/rank_phases.py); then every rank learns the policy's weight
+        version (TRL counts it on the main process only), to age the samples it trains on. On the main process a
+        failed pause, transfer or resume (or LoRA adapter load) is kept while TRL's sync completes: its barriers and
+        the stream's gathers are where the other ranks wait, so nothing later is sent to the server and the rest of
+        the stream is walked. The version broadcast that follows carries the kept error instead (`FailedElsewhere`):
+        every rank raises it, with no collective added."""
         failures: list[BaseException] = []
-
-        def keeping(send_weights):
-            def send(weights):
-                try:
-                    send_weights(weights)
-                except Exception as error:  # noqa: BLE001 - raised after TRL's closing barrier, on every rank
-                    failures.append(error)
-                    for _ in weights:  # the rest of the stream: its gathers (FSDP2) are collectives
-                        pass
-            return send
-
-        transfer = self.weight_transfer if self.accelerator.is_main_process else None
-        sync_weight = super()._sync_weight
-
-        def sync_then_raise():
-            with wrapping_method(transfer, "send_weights", keeping) if transfer else contextlib.nullcontext():
-                sync_weight()
+        main = self.accelerator.is_main_process
+        client = getattr(self, "vllm_client", None) if main else None
+        with phase(SYNC, rank_wait_timeout(self.args)), contextlib.ExitStack() as kept:
+            if main and self.weight_transfer is not None:
+                kept.enter_context(kept_failures(self.weight_transfer, ("pause", "send_weights", "resume"), failures,
+                                                 drains=("send_weights",)))
+            if client is not None and self._lora_sync:  # the LoRA sync talks to the server through TRL's client
+                kept.enter_context(kept_failures(client, ("pause", "load_lora_adapter", "unload_lora_adapter",
+                                                          "resume"), failures))
+            self._errors_of_exact_lora = failures if main else None
+            try:
+                super()._sync_weight()
+            finally:
+                self._errors_of_exact_lora = None
+            version = [FailedElsewhere(failures[0], 0) if failures else self.model_version]
+            version = broadcast_object_list(version, from_process=0)[0]
             if failures:
                 raise failures[0]
-
-        together(self.accelerator, sync_then_raise)()
-        self._policy_version = broadcast_object_list([self.model_version], from_process=0)[0]
+            if isinstance(version, FailedElsewhere):
+                version.raise_here()
+        self._policy_version = version
         self._synced_at_step = self.state.global_step
 
     def _sync_weight_merged(self, t0):
@@ -264,7 +266,10 @@ class AsyncGSPOTrainer(AsyncGRPOTrainer):
         if self._exact_lora is None:
             yield from super()._streaming_iter()
         else:
-            yield from exact_sync_stream(self._exact_lora, super()._streaming_iter)
+            # the main process keeps a failed W + delta and sends the base weight in its place (`_sync_weight` raises it)
+            errors = getattr(self, "_errors_of_exact_lora", None)
+            yield from exact_sync_stream(self._exact_lora, super()._streaming_iter, build=errors is not None,
+                                         errors=errors)
 
     def get_batch_samples(self, epoch_iterator, num_batches, device):
         """Transformers' trainer fetches every micro-batch of an optimizer step before it trains the first. The packer

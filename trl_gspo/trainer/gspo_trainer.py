@@ -26,7 +26,7 @@ from ..losses import (
     masked_token_mean,
     nonfinite_counts,
 )
-from ..ranks import together
+from ..rank_phases import RanksStopTogether, agreed_server_sync
 from ..sampling.engine import check_sampler_at_start, engine_options, trainer_engine_options
 from ..sampling.mismatch import SamplerWatch, log_turns, sampling_metrics
 from ..sampling.old_logps import SamplerOldLogps
@@ -55,7 +55,7 @@ def _band_row_stats(rows, present):  # the band's columns follow `metrics.per_se
     return band_stats(rows, present, gspo_metrics.PER_SEQUENCE_COLUMNS)
 
 
-class GSPOTrainer(CheckpointMixin, ToolTurnsMixin, GRPOTrainer):
+class GSPOTrainer(RanksStopTogether, CheckpointMixin, ToolTurnsMixin, GRPOTrainer):
     """Drop-in replacement for `trl.GRPOTrainer` that adds `loss_type="gspo"` and `loss_type="gspo_token"`.
 
     Takes exactly `GRPOTrainer`'s arguments. `args` may be a `GSPOConfig` (paper presets for gspo types) or TRL's
@@ -93,8 +93,8 @@ class GSPOTrainer(CheckpointMixin, ToolTurnsMixin, GRPOTrainer):
         self._routing = TrainerRouting.build(base, self.args, runs_old_policy_pass(self.args))
         self._replay_stack, self._replay_opened = None, False  # open while a micro-batch runs forward and backward
         self._lora = TrainerLora.build(self)  # LoRA folded for rollouts and weight syncs, base untouched; or None
-        if self.use_vllm and self.vllm_mode == "server":
-            self._sync_weights_together()
+        if self.use_vllm and self.vllm_mode == "server":  # every rank raises a sync's failure (rank_phases.py)
+            agreed_server_sync(self)
         self._adaptive_band = (AdaptiveClipBand.build(self.args, self.epsilon_low, self.epsilon_high)
                                if self.loss_type in GSPO_LOSS_TYPES else None)  # clip_band="adaptive", or None
         # Until the first optimizer step after a rollout the weights are those that sampled it: ratios then measure
@@ -142,13 +142,6 @@ class GSPOTrainer(CheckpointMixin, ToolTurnsMixin, GRPOTrainer):
             self._metrics["train" if training else "eval"][name].append(value)
         if training:  # stops on implausible R3 routes, announces a sampler drift or gap (docs/sampling.md)
             self._sampler_watch.check(values)
-
-    def _sync_weights_together(self) -> None:
-        """Server mode: a weight sync that fails on one rank (the main one alone sends to the server) raises on every
-        rank (trl_gspo/ranks.py): one all-reduced flag per sync. Every rank syncs at the same steps there. Not in
-        colocate mode: with sleep mode TRL syncs before each generate call, and in a tool loop at tensor-parallel
-        size 1 the ranks make different numbers of calls, so a flag per sync would pair with another collective."""
-        self.vllm_generation.sync_weights = together(self.accelerator, self.vllm_generation.sync_weights)
 
     def _server_guards(self) -> contextlib.ExitStack:
         """Server mode, on the main process: a server that dies or hangs mid-run becomes one error naming it, the

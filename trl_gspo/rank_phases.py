@@ -1,0 +1,167 @@
+"""How both trainers stop every rank together (docs/architecture.md, "Ranks that stop together"):
+
+- Agreed sections (`trl_gspo.ranks`): where one rank talks to something outside (the main process to the vLLM
+  server), its failures are kept while the stream of collectives completes (`kept_failures`: a failed transfer still
+  walks the rest of the stream, whose ZeRO-3 gathers and FSDP `full_tensor` calls are collectives the other ranks are
+  in), and one flag after the stream raises the same error on every rank. Server errors are named on the main
+  process before they are shared, so every rank raises the same class and message.
+- Phases and the watch (`trl_gspo.rank_watch`): everywhere else a rank can fail alone (a reward function, out of
+  memory in a backward, a full disk at a checkpoint) its error is published on the process group's store and every
+  other rank stops with it within seconds; a bounded phase (`rank_wait_timeout`) stops every rank when one never
+  arrives.
+
+`RanksStopTogether` wires both into a trainer: mixed in before TRL's class, each method extends TRL's of its name."""
+
+from __future__ import annotations
+
+import contextlib
+
+from .config import DEFAULT_RANK_WAIT_TIMEOUT
+from .rank_watch import RankWatch, phase, phase_of
+from .ranks import together
+from .routing.rollout import wrapping_method
+
+SYNC = "syncing weights to the vLLM server"
+REWARDS = "computing rewards"
+SAVE = "saving a checkpoint"
+GENERATION = "generating completions"
+STEP = "running a training step"
+
+_ADVICE = {
+    SYNC: "start the vLLM server again with the same command and resume",
+    REWARDS: "fix the reward function (the traceback on the failing rank names it) and resume",
+    SAVE: "free space where output_dir lives (or set save_total_limit) and resume",
+    GENERATION: "fix what the traceback on the failing rank names and resume",
+}
+
+
+def rank_wait_timeout(args) -> float:
+    """Seconds a bounded phase may last on any rank (`rank_wait_timeout`; TRL's own configs lack it)."""
+    return float(getattr(args, "rank_wait_timeout", DEFAULT_RANK_WAIT_TIMEOUT) or 0.0)
+
+
+def stop_advice(error: BaseException, where: str, output_dir: str) -> str:
+    """What to do after `error` stopped training in phase `where`: the fix, and the checkpoint to resume from."""
+    from .checkpoints import latest_complete_checkpoint
+
+    if "out of memory" in str(error).lower():
+        fix = ("lower per_device_train_batch_size or max_completion_length, or turn gradient_checkpointing on, and "
+               "resume")
+    else:
+        fix = _ADVICE.get(where, "fix what the error names and resume")
+    checkpoint = latest_complete_checkpoint(output_dir)[0]
+    resume = (f"with resume_from_checkpoint='latest' (the newest complete checkpoint is {checkpoint})" if checkpoint
+              else f"from the start: no complete checkpoint was saved in {output_dir} yet")
+    return f"{fix} {resume}."
+
+
+def kept_failures(target, names, failures: list, drains=()):
+    """Around calls of `target`'s methods `names` (bound, on the main process): an error is kept in `failures`
+    instead of raised, and once one is kept the later calls do nothing (the server is gone). A method in `drains`
+    takes an iterator as its last argument: after a failure the rest of it is walked, sending nothing, since each
+    tensor it yields may be a collective (a ZeRO-3 gather) the other ranks are in. The caller raises the kept error
+    after the stream, inside an agreed section."""
+    stack = contextlib.ExitStack()
+    for name in names:
+        if not hasattr(target, name):
+            continue
+
+        def keeping(original, name=name):
+            def call(*args, **kwargs):
+                if failures:
+                    if name in drains:
+                        for _ in args[-1]:
+                            pass
+                    return None
+                try:
+                    return original(*args, **kwargs)
+                except Exception as error:  # noqa: BLE001 - raised after the stream, on every rank
+                    failures.append(error)
+                    if name in drains:
+                        for _ in args[-1]:  # the rest of the stream; a failure before it starts walks all of it
+                            pass
+                    return None
+            return call
+
+        stack.enter_context(wrapping_method(target, name, keeping))
+    return stack
+
+
+def agreed_server_sync(trainer) -> None:
+    """Server mode (GSPOTrainer): TRL's weight sync as an agreed section. On the main process a failed request to the
+    server (before the stream, inside it, or resetting the prefix cache after it) is named (`SamplerServerError`),
+    kept while the stream completes, then raised on every rank by one all-reduced flag after the stream
+    (`trl_gspo.ranks.together`). Every rank syncs at the same steps in server mode; in colocate mode with sleep mode
+    TRL syncs before each generate call, and the ranks of a tool loop make different numbers of calls, so a flag per
+    sync there would pair with another collective: colocate syncs are not wrapped."""
+    from .sampling.server import server_failures
+
+    generation, accelerator = trainer.vllm_generation, trainer.accelerator
+    client = generation.vllm_client if accelerator.is_main_process else None
+    sync = generation.sync_weights
+    bound = rank_wait_timeout(trainer.args)
+
+    def named(method):  # a connection error becomes SamplerServerError before it is kept
+        def call(*args, **kwargs):
+            with server_failures(client, trainer.args.output_dir):
+                return method(*args, **kwargs)
+        return call
+
+    def sync_kept():
+        failures: list[BaseException] = []
+        with contextlib.ExitStack() as stack:
+            if client is not None:
+                for name in ("update_named_params", "reset_prefix_cache"):
+                    stack.enter_context(wrapping_method(client, name, named))
+                stack.enter_context(kept_failures(client, ("update_named_params", "reset_prefix_cache"), failures,
+                                                  drains=("update_named_params",)))
+            try:
+                sync()
+            except Exception as error:  # noqa: BLE001 - a failure outside the client's calls: raised together too
+                failures.append(error)
+        if failures:
+            raise failures[0]
+
+    agreed = together(accelerator, sync_kept)
+
+    def sync_weights():
+        with phase(SYNC, bound):
+            agreed()
+
+    generation.sync_weights = sync_weights
+
+
+class RanksStopTogether:
+    """Mixed into `GSPOTrainer` and `AsyncGSPOTrainer` before TRL's trainer: phases for the messages and the
+    backstop, and the watch that stops every rank when one fails alone (`trl_gspo.rank_watch`)."""
+
+    def train(self, *args, **kwargs):
+        accelerator = self.accelerator
+        watch = RankWatch.start(accelerator.process_index, accelerator.num_processes)
+        try:
+            with phase(STEP):
+                return super().train(*args, **kwargs)
+        except BaseException as error:
+            where = phase_of(error)
+            advice = stop_advice(error, where, self.args.output_dir)
+            if hasattr(error, "add_note"):  # Python 3.11+: printed under the traceback
+                error.add_note(f"trl-gspo: raised on rank {accelerator.process_index} while {where}. "
+                               f"What to do: {advice}")
+            if watch is not None:
+                watch.publish(error, advice)
+            raise
+        finally:
+            if watch is not None:
+                watch.close()
+
+    def _calculate_rewards(self, *args, **kwargs):  # the rewards are gathered at its end: a collective
+        with phase(REWARDS, rank_wait_timeout(self.args)):
+            return super()._calculate_rewards(*args, **kwargs)
+
+    def _generate_and_score_completions(self, *args, **kwargs):
+        with phase(GENERATION):
+            return super()._generate_and_score_completions(*args, **kwargs)
+
+    def _save_checkpoint(self, *args, **kwargs):  # ZeRO-3 gathers, barriers: a full disk on one rank
+        with phase(SAVE, rank_wait_timeout(self.args)):
+            return super()._save_checkpoint(*args, **kwargs)
