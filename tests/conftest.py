@@ -208,12 +208,9 @@ def tool_model_dir(tmp_path_factory):
 def tiny_moe_dir(tmp_path_factory, tokenizer):
     """A directory with the tiny Qwen3-MoE (`trl_gspo.quickstart.model.build_model`, seed 0) and its tokenizer, for
     trainers that load a model by path (TRL's asynchronous trainer)."""
-    from trl_gspo.quickstart.model import build_model
+    from support.helpers import save_tiny_moe
 
-    path = tmp_path_factory.mktemp("tiny_moe")
-    build_model(tokenizer).save_pretrained(path)
-    tokenizer.save_pretrained(path)
-    return path
+    return save_tiny_moe(tmp_path_factory.mktemp("tiny_moe"))
 
 
 @pytest.fixture

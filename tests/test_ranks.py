@@ -1,6 +1,6 @@
 """trl_gspo/ranks.py and its uses, on two gloo processes: a failure on one rank becomes the same error on every
 rank, through an all-reduced flag (`raise_together`) or an object sent in place of the one the other ranks wait for
-(`FailedElsewhere`, as `hand_out_choices` sends it). The end-to-end runs are tests/test_rank_failures.py."""
+(`FailedElsewhere`, as `hand_out_choices` sends it). The end-to-end runs are tests/test_fault_matrix.py."""
 
 import json
 import pickle
@@ -8,6 +8,7 @@ import types
 
 import pytest
 import torch
+from support.multiprocess import run_ranks
 
 from trl_gspo.ranks import FailedElsewhere, RankFailed, _rebuilt, every_rank, raise_together
 
@@ -61,9 +62,7 @@ def _two_ranks(rank, init_file, out):
 
 
 def test_a_failure_on_one_rank_raises_on_both(tmp_path):
-    import torch.multiprocessing as mp
-
-    mp.spawn(_two_ranks, args=(str(tmp_path / "init"), str(tmp_path)), nprocs=2, join=True)
+    assert run_ranks(_two_ranks, tmp_path, timeout=120) == [0, 0]  # a rank left waiting fails the test at 120 s
     zero, one = (json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in (0, 1))
     assert zero["agree"] == one["agree"] == [True, False]
     assert zero["no failure"] is one["no failure"] is None

@@ -69,10 +69,10 @@ RANK_WAIT_TIMEOUT_FIELD = dict(
     default=DEFAULT_RANK_WAIT_TIMEOUT,
     metadata={
         "help": "Several processes: seconds a phase in which every rank must arrive (a weight sync, computing "
-        "rewards, saving a checkpoint) may last on any rank before every rank stops with an error naming the phase "
-        "(trl_gspo/rank_watch.py). A rank that never arrives (a reward function that never returns) would otherwise "
+        "rewards) may last on any rank before every rank stops with an error naming the phase "
+        "(trl_gspo/ranks/watch.py). A rank that never arrives (a reward function that never returns) would otherwise "
         "hold the others until the process group's timeout (`ddp_timeout`, 1800 s). Raise it for a slower reward "
-        "or checkpoint; 0 turns the bound off. A rank that raises stops the others at once, whatever this is."
+        "or weight sync; 0 turns the bound off. A rank that raises stops the others at once, whatever this is."
     },
 )
 

@@ -4,9 +4,8 @@ differently: one process packs each step's 8 completions as micro-batches of 6 a
 micro-batch (gradient accumulation 2). A two-process run must reproduce the one-process run's losses, gradient norms,
 gathered metrics and weights (each completion weighs 1 / the step's completions).
 
-With `--nan-at-step S --nan-rank R`, rank R's sampler log-probs hold a NaN at optimizer step S (0-based), and with
-`--fail-sync N` the main process's weight transfer fails at its Nth sync: every rank must stop there with the same
-error; the logs of the steps before it are kept as usual.
+With `--nan-at-step S --nan-rank R`, rank R's sampler log-probs hold a NaN at optimizer step S (0-based): every rank
+must stop there with the same error; the logs of the steps before it are kept as usual.
 
     accelerate launch [options] async_multiprocess_run.py OUT_DIR MODEL_DIR --loss-type gspo [--routing-replay]
 Each rank writes OUT_DIR/rank<r>.json: `{"error": <message or null>}`, and on the main process also `world_size`,
@@ -84,19 +83,6 @@ def samples(steps, layers, top_k, experts):
     return out
 
 
-class FailingTransfer(NoWeightTransfer):
-    """The main process's transfer, failing at its `fail_at`-th weight sync."""
-
-    def __init__(self, fail_at: int):
-        self.fail_at, self.sent = fail_at, 0
-
-    def send_weights(self, weights):
-        self.sent += 1
-        if self.sent == self.fail_at:
-            raise RuntimeError("the weight transfer to the server failed (stand-in)")
-        super().send_weights(weights)
-
-
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("out_dir")
@@ -106,7 +92,6 @@ def main():
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--nan-at-step", type=int)
     parser.add_argument("--nan-rank", type=int, default=0)
-    parser.add_argument("--fail-sync", type=int, help="the main process's weight transfer fails at its Nth sync")
     options = parser.parse_args()
     import trl_gspo.async_trainer
 
@@ -124,8 +109,7 @@ def main():
     trainer = AsyncGSPOTrainer(model=options.model_dir, args=args,
                                train_dataset=Dataset.from_dict({"prompt": ["x"] * 4}), processing_class=tokenizer,
                                rollout_worker=QueueWorker(samples(options.steps + 2, 2, 2, 4)),
-                               weight_transfer=FailingTransfer(options.fail_sync) if options.fail_sync and
-                               int(os.environ.get("RANK", "0")) == 0 else NoWeightTransfer())
+                               weight_transfer=NoWeightTransfer())
     rank = trainer.accelerator.process_index
     if options.nan_at_step is not None and rank == options.nan_rank:
         compute_loss = trainer.compute_loss

@@ -3,10 +3,10 @@ under `accelerate launch` (DDP or real DeepSpeed ZeRO over gloo), one fault inje
 did about it.
 
     accelerate launch --config_file recipes/accelerate/cpu_zero3.yaml --num_processes 2 fault_run.py OUT_DIR \
-        --trainer gspo-server|gspo-hf|async [--model-dir DIR] CELL [CELL ...]
+        [--trainer gspo-server|gspo-hf|async] [--model-dir DIR] CELL [CELL ...]
 
-A CELL is `FAULT@RANK` (`server-before-stream@0`, `reward-raises@1`). Cells run one after another in the same
-processes, each with its own trainer and OUT_DIR/CELL; a cell that ends the processes (the watch stopped a rank)
+A CELL is `[TRAINER:]FAULT@RANK` (`server-before-stream@0`, `async:async-pause@0`; the trainer defaults to
+--trainer). Cells run one after another in the same processes, each with its own trainer and OUT_DIR/CELL (":" as "-"); a cell that ends the processes (the watch stopped a rank)
 must be the last. Each rank writes OUT_DIR/CELL/rank<r>.json: the error's class, its message with the notes
 trl-gspo adds (the phase and what to do), whether the watch stopped the rank (`stopped_by_watch`), and the seconds
 from the fault to the stop (the fault's rank writes its clock to OUT_DIR/CELL/fault_at; the ranks share one clock).
@@ -18,13 +18,13 @@ Faults, all at the second optimizer step (checkpoints are saved every step, so c
   streamed parameter is a real gather.
 - `lora-build` (gspo-server, main process): building one `W + delta` for the weight sync fails.
 - `async-pause`, `async-send`, `async-resume` (async, main process): the weight transfer fails there.
+- `generate-fails` (gspo-hf): the rank's HF `generate` raises.
 - `reward-raises`, `reward-hangs` (gspo-*): a reward function raises, or never returns (`rank_wait_timeout` 8 s).
 - `save-fails`: the rank's checkpoint write fails as on a full disk (ENOSPC).
 - `nan`: a NaN in the rank's log-probs. `oom`: the rank's backward raises out of memory.
 """
 
 import argparse
-import contextlib
 import errno
 import functools
 import json
@@ -50,19 +50,22 @@ try:  # skip DeepSpeed's 60-80 s JIT build of a shared-memory op that gloo on CP
     deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
 except ImportError:
     pass
-import trl_gspo.rank_watch as rank_watch  # noqa: E402
+import trl_gspo.ranks.watch as rank_watch  # noqa: E402
 
 STEP = 2  # the optimizer step (1-based) at which every fault fires
 SERVER_FAULTS = ("server-before-stream", "server-mid-stream", "server-generate", "lora-build")
 ASYNC_FAULTS = ("async-pause", "async-send", "async-resume")
 ANY_FAULTS = ("reward-raises", "reward-hangs", "save-fails", "nan", "oom")
-FAULTS = SERVER_FAULTS + ASYNC_FAULTS + ANY_FAULTS
+HF_FAULTS = ("generate-fails",)
+FAULTS = SERVER_FAULTS + ASYNC_FAULTS + ANY_FAULTS + HF_FAULTS
 
 
 class Cell:
-    def __init__(self, spec: str, out_dir: Path, rank: int):
-        self.fault, at = spec.split("@")
-        self.rank_of_fault, self.dir, self.rank = int(at), out_dir / spec, rank
+    def __init__(self, spec: str, out_dir: Path, rank: int, trainer: str):
+        self.trainer, _, cell = spec.rpartition(":")
+        self.trainer = self.trainer or trainer
+        self.fault, at = cell.split("@")
+        self.rank_of_fault, self.dir, self.rank = int(at), out_dir / spec.replace(":", "-"), rank
         self.dir.mkdir(parents=True, exist_ok=True)
 
     @property
@@ -125,7 +128,7 @@ def serve(trainer, tokenizer, cell: Cell) -> None:
     from trl.distributed import DistributedBackend
     from trl.generation.vllm_generation import VLLMGeneration
 
-    from trl_gspo.rank_phases import agreed_server_sync
+    from trl_gspo.ranks.phases import agreed_server_sync
 
     generation = VLLMGeneration.__new__(VLLMGeneration)
     args = trainer.args
@@ -219,6 +222,16 @@ def gspo_trainer(cell: Cell, out: Path, with_server: bool):
                 raise RuntimeError(cell.fire("out of memory building W + delta (stand-in)"))
             return original(target)
         lora_merge.effective_weight = failing
+    if cell.fault == "generate-fails" and cell.here:
+        model, calls = trainer.accelerator.unwrap_model(trainer.model), []
+        generate = model.generate
+
+        def failing_generate(*args, **kwargs):
+            calls.append(True)
+            if len(calls) == STEP:
+                raise RuntimeError(cell.fire("generation failed (stand-in)"))
+            return generate(*args, **kwargs)
+        model.generate = failing_generate
     inject_common(trainer, cell)
     return trainer
 
@@ -236,17 +249,17 @@ class FailingTransfer:
         pass
 
     def pause(self):
-        self.syncs += 1
-        if self.cell.fault == "async-pause" and self.syncs == STEP:
+        self.syncs += 1  # the first sync is at the start of training, before step 1
+        if self.cell.fault == "async-pause" and self.syncs == STEP + 1:
             raise connection_refused(self.cell)
 
     def send_weights(self, weights):
         for i, _ in enumerate(weights):
-            if self.cell.fault == "async-send" and self.syncs == STEP and i == 3:
+            if self.cell.fault == "async-send" and self.syncs == STEP + 1 and i == 3:
                 raise connection_refused(self.cell)
 
     def resume(self):
-        if self.cell.fault == "async-resume" and self.syncs == STEP:
+        if self.cell.fault == "async-resume" and self.syncs == STEP + 1:
             raise connection_refused(self.cell)
 
 
@@ -278,18 +291,19 @@ def async_trainer(cell: Cell, out: Path, model_dir: str):
 
 
 def run_cell(cell: Cell, options) -> bool:
-    """Trains the cell; True when this process can go on to the next cell (every rank raised in its main thread)."""
+    """Trains the cell; True when training ended without an error."""
     out = cell.dir / "run"
-    if options.trainer == "async":
+    if cell.trainer == "async":
         trainer = async_trainer(cell, out, options.model_dir)
     else:
-        trainer = gspo_trainer(cell, out, with_server=options.trainer == "gspo-server")
+        trainer = gspo_trainer(cell, out, with_server=cell.trainer == "gspo-server")
     try:
         trainer.train()
     except BaseException as error:  # noqa: BLE001 - reported
+        traceback.print_exc()
         cell.report(error=type(error).__name__, text="".join(traceback.format_exception_only(error)).strip(),
                     stopped_by_watch=False)
-        return True
+        return False
     cell.report(error=None, text="", stopped_by_watch=False)
     return True
 
@@ -312,13 +326,13 @@ def main():
 
     rank_watch.RankWatch.start = functools.partial(rank_watch.RankWatch.start.__func__, rank_watch.RankWatch,
                                                    on_stop=stopped_by_watch)
+    finished = []
     for spec in options.cells:
-        cell = Cell(spec, options.out_dir, rank)
+        cell = Cell(spec, options.out_dir, rank, options.trainer)
         assert cell.fault in FAULTS, spec
         current.append(cell)
-        with contextlib.suppress(Exception):
-            run_cell(cell, options)
-    sys.exit(0)
+        finished.append(run_cell(cell, options))
+    sys.exit(0 if all(finished) else 1)  # as a run would: non-zero once a cell stopped with an error
 
 
 if __name__ == "__main__":

@@ -147,3 +147,15 @@ def hub_out_of_reach(monkeypatch, cache_dir) -> str:
     monkeypatch.setattr(model_checks, "hub_unreachable_once",
                         functools.lru_cache(maxsize=None)(lambda endpoint: model_checks.hub_unreachable()))
     return endpoint
+
+
+def save_tiny_moe(path):
+    """The tiny Qwen3-MoE (`trl_gspo.quickstart.model.build_model`, seed 0) and its tokenizer saved in `path`, for
+    trainers that load a model by path (TRL's asynchronous trainer); returns `path`."""
+    from trl_gspo.quickstart.model import build_model
+    from trl_gspo.quickstart.tokenizer import build_tokenizer
+
+    tokenizer = build_tokenizer()
+    build_model(tokenizer).save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path

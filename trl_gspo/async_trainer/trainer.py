@@ -48,8 +48,8 @@ from .. import metrics as gspo_metrics
 from ..config import GSPO_LOSS_TYPES, band_description, default_output_dir
 from ..lora_merge import exact_sync_stream, merge_calls_skipped
 from ..losses import gspo_packed_loss, nonfinite_counts, unpack_segments
-from ..rank_phases import SYNC, RanksStopTogether, kept_failures, rank_wait_timeout
-from ..rank_watch import phase
+from ..ranks.phases import SYNC, RanksStopTogether, kept_failures, rank_wait_timeout
+from ..ranks.watch import phase
 from ..ranks import FailedElsewhere
 from ..routing.replay import RoutingReplay
 from ..trainer.clip_band import AdaptiveClipBand, ClipBandStep, band_columns, band_stats
@@ -224,7 +224,7 @@ class AsyncGSPOTrainer(RanksStopTogether, AsyncGRPOTrainer):
         return self.accelerator.prepare(DataLoader(dataset, batch_size=1, collate_fn=collator, num_workers=0))
 
     def _sync_weight(self):
-        """TRL's weight sync as an agreed section (trl_gspo/rank_phases.py); then every rank learns the policy's weight
+        """TRL's weight sync as an agreed section (trl_gspo/ranks/phases.py); then every rank learns the policy's weight
         version (TRL counts it on the main process only), to age the samples it trains on. On the main process a
         failed pause, transfer or resume (or LoRA adapter load) is kept while TRL's sync completes: its barriers and
         the stream's gathers are where the other ranks wait, so nothing later is sent to the server and the rest of

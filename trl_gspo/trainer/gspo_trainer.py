@@ -13,25 +13,16 @@ from trl import GRPOTrainer
 
 from .. import metrics as gspo_metrics
 from ..checkpoints import CheckpointMixin
-from ..config import (DEFAULT_MIN_ROUTE_AGREEMENT, DEFAULT_SERVER_STALL_TIMEOUT, GSPO_LOSS_TYPES, PAPER_EPSILON_HIGH,
+from ..config import (DEFAULT_MIN_ROUTE_AGREEMENT, GSPO_LOSS_TYPES, PAPER_EPSILON_HIGH,
                      PAPER_EPSILON_LOW, GSPOConfig, default_output_dir, refuse_unused_token_advantages,
                      runs_old_policy_pass, setup_summary, validate_gspo_args, warn_about_setup)
-from ..losses import (
-    adaptive_entropy_coef,
-    applied_entropy_coef,
-    entropy_window_stats,
-    gspo_loss,
-    gspo_token_loss,
-    masked_sequence_mean,
-    masked_token_mean,
-    nonfinite_counts,
-)
-from ..rank_phases import RanksStopTogether, agreed_server_sync
+from ..losses import (adaptive_entropy_coef, applied_entropy_coef, entropy_window_stats, gspo_loss, gspo_token_loss,
+                      masked_sequence_mean, masked_token_mean, nonfinite_counts)
+from ..ranks.phases import RanksStopTogether, agreed_server_sync, server_guards
 from ..sampling.engine import check_sampler_at_start, engine_options, trainer_engine_options
 from ..sampling.mismatch import SamplerWatch, log_turns, sampling_metrics
 from ..sampling.old_logps import SamplerOldLogps
 from ..sampling.routes import capture_routes
-from ..sampling.server import failures_shared, server_failures
 from .clip_band import AdaptiveClipBand, ClipBandStep, band_columns, band_stats
 from .lora import TrainerLora
 from .model_checks import check_model
@@ -93,7 +84,7 @@ class GSPOTrainer(RanksStopTogether, CheckpointMixin, ToolTurnsMixin, GRPOTraine
         self._routing = TrainerRouting.build(base, self.args, runs_old_policy_pass(self.args))
         self._replay_stack, self._replay_opened = None, False  # open while a micro-batch runs forward and backward
         self._lora = TrainerLora.build(self)  # LoRA folded for rollouts and weight syncs, base untouched; or None
-        if self.use_vllm and self.vllm_mode == "server":  # every rank raises a sync's failure (rank_phases.py)
+        if self.use_vllm and self.vllm_mode == "server":  # every rank raises a sync's failure (ranks/phases.py)
             agreed_server_sync(self)
         self._adaptive_band = (AdaptiveClipBand.build(self.args, self.epsilon_low, self.epsilon_high)
                                if self.loss_type in GSPO_LOSS_TYPES else None)  # clip_band="adaptive", or None
@@ -143,19 +134,8 @@ class GSPOTrainer(RanksStopTogether, CheckpointMixin, ToolTurnsMixin, GRPOTraine
         if training:  # stops on implausible R3 routes, announces a sampler drift or gap (docs/sampling.md)
             self._sampler_watch.check(values)
 
-    def _server_guards(self) -> contextlib.ExitStack:
-        """Server mode, on the main process: a server that dies or hangs mid-run becomes one error naming it, the
-        newest complete checkpoint and how to resume (docs/reliability.md), raised on every rank (trl_gspo/ranks.py)."""
-        guards = contextlib.ExitStack()
-        if self.use_vllm and self.vllm_mode == "server" and self.accelerator.is_main_process:
-            client = self.vllm_generation.vllm_client
-            guards.enter_context(failures_shared(client, self.accelerator.num_processes))
-            guards.enter_context(server_failures(client, self.args.output_dir, getattr(
-                self.args, "vllm_server_stall_timeout", DEFAULT_SERVER_STALL_TIMEOUT)))
-        return guards
-
     def _generate_single_turn(self, *args, **kwargs):
-        with self._server_guards():
+        with server_guards(self):  # a server failure raised on every rank (ranks/phases.py)
             if self._routing is None:
                 return super()._generate_single_turn(*args, **kwargs)
             # vLLM: a lockstep tool turn says how the group's results were split (trl_gspo/trainer/tool_lockstep.py)

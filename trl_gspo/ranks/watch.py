@@ -57,6 +57,16 @@ def phase_of(error: BaseException) -> str:
     return getattr(error, "_trl_gspo_phase", None) or "training"
 
 
+def rebuilt(report: dict) -> BaseException:
+    """The error of another rank's published report, of its class and message (`trl_gspo.ranks`' rules)."""
+    import pickle
+
+    from . import _from_rank, _rebuilt
+
+    error_type, args = pickle.loads(bytes.fromhex(report["portable"]))
+    return _from_rank(_rebuilt(error_type, args, report["message"]), report["rank"])
+
+
 def _default_store():
     import torch.distributed as dist
 
@@ -83,6 +93,7 @@ class RankWatch:
         self._key = f"trl_gspo/rank_watch/{RankWatch._runs}/"
         self._stopping = threading.Event()  # this rank's main thread is raising, or training ended
         self._done = threading.Event()
+        self._acked = False
         self._thread = threading.Thread(target=self._watch, name="trl-gspo-rank-watch", daemon=True)
 
     @classmethod
@@ -96,17 +107,23 @@ class RankWatch:
         return watch
 
     # ------------------------------------------------------------------ the failing rank
-    def publish(self, error: BaseException, advice: str = "") -> None:
+    def publish(self, error: BaseException, advice: str = "") -> dict:
         """This rank's training raised `error`: the first report published wins (the others are the same error
-        raised together, or followers). Waits until every other rank has stopped or stood down."""
+        raised together, or a rank's collective failing because the failed rank's process left). Waits until every
+        other rank has stopped or stood down; returns the winning report (`rebuilt` raises it here)."""
+        import pickle
+
+        from . import _portable, origin_rank
+
         self._stopping.set()
-        report = {"error": type(error).__name__, "message": str(error), "rank": self.rank,
-                  "phase": phase_of(error), "advice": advice}
-        self._claim(report)
+        report = {"error": type(error).__name__, "message": str(error), "rank": origin_rank(error, self.rank),
+                  "phase": phase_of(error), "advice": advice, "portable": pickle.dumps(_portable(error)).hex()}
+        report = self._claim(report)
         self._ack()
         deadline = time.monotonic() + self.grace + 5.0
         while time.monotonic() < deadline and self.store.add(self._key + "acks", 0) < self.world_size:
             time.sleep(0.05)
+        return report
 
     def close(self) -> None:
         """Training ended on this rank without an error."""
@@ -121,7 +138,9 @@ class RankWatch:
         return json.loads(self.store.get(self._key + "report"))
 
     def _ack(self) -> None:
-        self.store.add(self._key + "acks", 1)
+        if not self._acked:  # once per rank: the failing rank counts the others
+            self._acked = True
+            self.store.add(self._key + "acks", 1)
 
     # ------------------------------------------------------------------ every other rank
     def _published(self) -> dict | None:
@@ -150,9 +169,9 @@ class RankWatch:
                         "message": f"rank {self.rank} spent more than {bound:g} s {name}: a rank that never arrives "
                                    "(a reward function or tool that never returns, a collective another rank skipped) "
                                    "would otherwise hold every rank until the process group's timeout",
-                        "advice": "find what the slowest rank was doing in the phase (its stack trace above, if "
-                                  "faulthandler is on); if the phase is only slow, raise `rank_wait_timeout` "
-                                  f"(now {bound:g} s) or set 0 to wait as long as the process group allows"})
+                        "advice": "find the rank that never arrived: each rank prints where its threads stood, "
+                                  "above this line; if the phase is only slow, raise `rank_wait_timeout` "
+                                  f"(now {bound:g} s), or set 0 to wait as long as the process group allows"})
                     self._stop(report)
                     return
                 if report["rank"] == self.rank or self._stopping.wait(self.grace):
@@ -164,6 +183,12 @@ class RankWatch:
             return
 
     def _stop(self, report: dict) -> None:
+        if report["error"] == RanksStalled.__name__:  # where this rank's threads stood: one of them never arrived
+            import faulthandler
+
+            with contextlib.suppress(Exception):
+                print(f"trl-gspo: rank {self.rank}'s threads when it stopped:", file=sys.stderr, flush=True)
+                faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
         source = "this rank" if report["rank"] == self.rank else f"rank {report['rank']}"
         advice = f" What to do: {report['advice']}" if report.get("advice") else ""
         print(f"{report['error']}: {report['message']} [trl-gspo: rank {self.rank} stopped while "

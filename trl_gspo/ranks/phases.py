@@ -5,10 +5,10 @@
   walks the rest of the stream, whose ZeRO-3 gathers and FSDP `full_tensor` calls are collectives the other ranks are
   in), and one flag after the stream raises the same error on every rank. Server errors are named on the main
   process before they are shared, so every rank raises the same class and message.
-- Phases and the watch (`trl_gspo.rank_watch`): everywhere else a rank can fail alone (a reward function, out of
+- Phases and the watch (`trl_gspo.ranks.watch`): everywhere else a rank can fail alone (a reward function, out of
   memory in a backward, a full disk at a checkpoint) its error is published on the process group's store and every
-  other rank stops with it within seconds; a bounded phase (`rank_wait_timeout`) stops every rank when one never
-  arrives.
+  other rank stops with it within seconds; a bounded phase (`rank_wait_timeout`: weight syncs, rewards) stops
+  every rank when one never arrives.
 
 `RanksStopTogether` wires both into a trainer: mixed in before TRL's class, each method extends TRL's of its name."""
 
@@ -16,10 +16,10 @@ from __future__ import annotations
 
 import contextlib
 
-from .config import DEFAULT_RANK_WAIT_TIMEOUT
-from .rank_watch import RankWatch, phase, phase_of
-from .ranks import together
-from .routing.rollout import wrapping_method
+from ..config import DEFAULT_RANK_WAIT_TIMEOUT
+from .watch import RankWatch, phase, phase_of, rebuilt
+from . import together
+from ..routing.rollout import wrapping_method
 
 SYNC = "syncing weights to the vLLM server"
 REWARDS = "computing rewards"
@@ -42,7 +42,7 @@ def rank_wait_timeout(args) -> float:
 
 def stop_advice(error: BaseException, where: str, output_dir: str) -> str:
     """What to do after `error` stopped training in phase `where`: the fix, and the checkpoint to resume from."""
-    from .checkpoints import latest_complete_checkpoint
+    from ..checkpoints import latest_complete_checkpoint
 
     if "out of memory" in str(error).lower():
         fix = ("lower per_device_train_batch_size or max_completion_length, or turn gradient_checkpointing on, and "
@@ -94,7 +94,7 @@ def agreed_server_sync(trainer) -> None:
     (`trl_gspo.ranks.together`). Every rank syncs at the same steps in server mode; in colocate mode with sleep mode
     TRL syncs before each generate call, and the ranks of a tool loop make different numbers of calls, so a flag per
     sync there would pair with another collective: colocate syncs are not wrapped."""
-    from .sampling.server import server_failures
+    from ..sampling.server import server_failures
 
     generation, accelerator = trainer.vllm_generation, trainer.accelerator
     client = generation.vllm_client if accelerator.is_main_process else None
@@ -131,9 +131,30 @@ def agreed_server_sync(trainer) -> None:
     generation.sync_weights = sync_weights
 
 
+def _note(error: BaseException, rank: int, where: str, advice: str) -> None:
+    if hasattr(error, "add_note"):  # Python 3.11+: printed under the traceback
+        error.add_note(f"trl-gspo: raised on rank {rank} while {where}. What to do: {advice}")
+
+
+def server_guards(trainer) -> contextlib.ExitStack:
+    """Around GSPOTrainer's server-mode generation call, on the main process: a server that dies or hangs mid-run
+    becomes one `SamplerServerError` naming it, the newest complete checkpoint and how to resume
+    (docs/reliability.md), sent where the other ranks wait for the server's answer (`failures_shared`)."""
+    from ..config import DEFAULT_SERVER_STALL_TIMEOUT
+    from ..sampling.server import failures_shared, server_failures
+
+    guards = contextlib.ExitStack()
+    if trainer.use_vllm and trainer.vllm_mode == "server" and trainer.accelerator.is_main_process:
+        client = trainer.vllm_generation.vllm_client
+        guards.enter_context(failures_shared(client, trainer.accelerator.num_processes))
+        guards.enter_context(server_failures(client, trainer.args.output_dir, getattr(
+            trainer.args, "vllm_server_stall_timeout", DEFAULT_SERVER_STALL_TIMEOUT)))
+    return guards
+
+
 class RanksStopTogether:
     """Mixed into `GSPOTrainer` and `AsyncGSPOTrainer` before TRL's trainer: phases for the messages and the
-    backstop, and the watch that stops every rank when one fails alone (`trl_gspo.rank_watch`)."""
+    backstop, and the watch that stops every rank when one fails alone (`trl_gspo.ranks.watch`)."""
 
     def train(self, *args, **kwargs):
         accelerator = self.accelerator
@@ -142,13 +163,16 @@ class RanksStopTogether:
             with phase(STEP):
                 return super().train(*args, **kwargs)
         except BaseException as error:
-            where = phase_of(error)
+            where, rank = phase_of(error), accelerator.process_index
             advice = stop_advice(error, where, self.args.output_dir)
-            if hasattr(error, "add_note"):  # Python 3.11+: printed under the traceback
-                error.add_note(f"trl-gspo: raised on rank {accelerator.process_index} while {where}. "
-                               f"What to do: {advice}")
-            if watch is not None:
-                watch.publish(error, advice)
+            report = watch.publish(error, advice) if watch is not None else None
+            if report is not None and report["rank"] != rank:
+                # Another rank failed first; this rank's error followed from it (e.g. gloo's "connection closed by
+                # peer" once that rank's process left): every rank raises the first error, as an agreed section does.
+                raised, where, rank, advice = rebuilt(report), report["phase"], report["rank"], report["advice"]
+                _note(raised, rank, where, advice)
+                raise raised from error
+            _note(error, rank, where, advice)
             raise
         finally:
             if watch is not None:
@@ -162,6 +186,8 @@ class RanksStopTogether:
         with phase(GENERATION):
             return super()._generate_and_score_completions(*args, **kwargs)
 
-    def _save_checkpoint(self, *args, **kwargs):  # ZeRO-3 gathers, barriers: a full disk on one rank
-        with phase(SAVE, rank_wait_timeout(self.args)):
+    def _save_checkpoint(self, *args, **kwargs):
+        # Named, not bounded: a large model's optimizer state can take longer to write than any fixed bound, and a
+        # full disk raises (the watch stops the ranks waiting in the save's barrier).
+        with phase(SAVE):
             return super()._save_checkpoint(*args, **kwargs)

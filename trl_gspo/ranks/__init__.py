@@ -28,6 +28,16 @@ def _rebuilt(error_type: type, args: tuple, message: str) -> BaseException:
         return RuntimeError(f"{error_type.__name__}: {message}")
 
 
+def _from_rank(error: BaseException, rank: int) -> BaseException:
+    error._trl_gspo_rank = rank  # where it was first raised: `origin_rank`
+    return error
+
+
+def origin_rank(error: BaseException, default: int) -> int:
+    """The rank an error was first raised on: another rank's for an error raised here on its behalf."""
+    return getattr(error, "_trl_gspo_rank", default)
+
+
 def _portable(error: BaseException) -> tuple[type, tuple]:
     """The error's class and arguments as they travel to another rank (pickled): its arguments when they are plain
     values, else its message; a class pickle cannot name (defined in a function) becomes RuntimeError."""
@@ -49,7 +59,7 @@ class FailedElsewhere:
         (self.error_type, self.args), self.message, self.rank = _portable(error), str(error), rank
 
     def raise_here(self):
-        raise _rebuilt(self.error_type, self.args, self.message) from RankFailed(
+        raise _from_rank(_rebuilt(self.error_type, self.args, self.message), self.rank) from RankFailed(
             f"raised on rank {self.rank}; this rank stopped with it")
 
     def __iter__(self):
@@ -88,7 +98,7 @@ def raise_together(accelerator, error: BaseException | None) -> None:
     if rank == accelerator.process_index:
         raise error
     cause = error if error is not None else RankFailed(f"raised on rank {rank}")
-    raise _rebuilt(error_type, args, message) from cause
+    raise _from_rank(_rebuilt(error_type, args, message), rank) from cause
 
 
 def together(accelerator, step):
