@@ -14,6 +14,15 @@ pytest.register_assert_rewrite("support")
 import support.helpers  # noqa: E402,F401  next: sets the test environment (hub offline, at most two torch threads)
 import torch  # noqa: E402
 from support.xdist_groups import group_module_fixture_users  # noqa: E402
+from support.vllm_servers import servers_as_found  # noqa: E402
+
+
+@pytest.fixture(autouse=True)
+def shared_vllm_servers_as_found():
+    """After each test, every vLLM server that tests share (a module-scoped fixture's) is back as it started, so that
+    no test depends on what ran on it before (tests/support/vllm_servers.py). Nothing to do when none runs."""
+    yield
+    servers_as_found()
 
 
 @pytest.fixture

@@ -104,7 +104,8 @@ def async_server(tmp_path_factory):
 
     root = tmp_path_factory.mktemp("async_server")
     model_dir = build_model_dir(root / "model")
-    with serving(root, model_dir, extra=["--dtype", "float32", "--worker-extension-cls", WORKER_EXTENSION]) as url:
+    with serving(root, model_dir, extra=["--dtype", "float32", "--worker-extension-cls", WORKER_EXTENSION],
+                 weights=model_dir / "model.safetensors") as url:  # each run sends its trained weights
         yield url, model_dir
 
 

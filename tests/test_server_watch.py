@@ -1,6 +1,7 @@
 """A hung vLLM server stops training; a slow one does not (trl_gspo/sampling/server_watch.py). Against a local HTTP
 server that answers `/v1/completions` late or never and serves vLLM-style `/metrics` counters that move or stand
-still; tests/test_vllm.py freezes a real vLLM server with SIGSTOP."""
+still; tests/test_vllm.py freezes a real vLLM server with SIGSTOP. Last, a generation request the server refuses (a
+prompt longer than its context) becomes one line that says which lengths to change."""
 
 import contextlib
 import json
@@ -13,7 +14,7 @@ from types import SimpleNamespace
 import pytest
 
 from trl_gspo.sampling import server_watch
-from trl_gspo.sampling.server import SamplerServerError, server_failures
+from trl_gspo.sampling.server import SamplerRequestRefused, SamplerServerError, server_failures
 
 METRICS = """# HELP vllm:generation_tokens_total Number of generation tokens processed.
 # TYPE vllm:generation_tokens_total counter
@@ -190,3 +191,52 @@ def test_the_stall_timeout_is_checked_at_construction():
             GSPOConfig(**cpu, vllm_server_stall_timeout=bad)
     with pytest.raises(TypeError, match="`vllm_server_stall_timeout` must be a number of seconds"):
         GSPOConfig(**cpu, vllm_server_stall_timeout="10")
+
+
+def _client_answering(status, body, url="http://127.0.0.1:8000"):
+    """TRL's own `VLLMClient` (its `generate` as the trainer calls it), whose session answers every request with
+    `body`; built without its constructor, which needs vLLM and a server."""
+    import requests
+    from trl.generation.vllm_client import VLLMClient
+
+    response = requests.Response()
+    response.status_code, response._content = status, body if isinstance(body, bytes) else json.dumps(body).encode()
+    client = object.__new__(VLLMClient)
+    client.base_url, client.model = url, "m"
+    client.session = SimpleNamespace(post=lambda *args, **kwargs: response)
+    return client
+
+
+def test_a_turn_longer_than_the_servers_context_stops_with_one_line_naming_the_lengths_and_the_fix(tmp_path):
+    """vLLM's real answer to a tool turn of 146 prompt tokens plus max_tokens 128 on a server of max_model_len 256
+    (TRL's client alone raises "Request failed: 400, " and the JSON): one line with the three numbers and what to
+    change. tests/test_vllm.py drives the same request through a real server."""
+    from support.vllm_servers import OVER_CONTEXT_ANSWER
+
+    client = _client_answering(400, OVER_CONTEXT_ANSWER)
+    with pytest.raises(SamplerRequestRefused) as error, server_failures(client, str(tmp_path)):
+        client.generate([[5] * 146], max_tokens=128)
+    message = str(error.value)
+    assert "\n" not in message
+    assert message.startswith("the vLLM server at http://127.0.0.1:8000 refused a generation request (HTTP 400): a "
+                              "prompt of 146 tokens plus max_tokens=128 (max_completion_length) is 274 tokens, more "
+                              "than the server's max_model_len=256. Fix: start the server with a larger "
+                              "--max-model-len, or lower max_completion_length"), message
+    assert "max_tool_calling_iterations" in message and "the prompts' length" in message
+
+
+@pytest.mark.parametrize("status, body, quoted, fix", [
+    (400, {"error": {"message": "This model's maximum context length is 256 tokens. A new wording."}},
+     "This model's maximum context length is 256 tokens. A new wording.", True),
+    (400, {"error": {"message": "max_tokens=300 cannot be greater than max_model_len=max_total_tokens=256."}},
+     "max_tokens=300 cannot be greater than max_model_len=max_total_tokens=256.", True),
+    (500, b"Internal Server Error\n  at engine", "Internal Server Error at engine", False),
+])
+def test_other_refusals_are_quoted_as_the_server_wrote_them(tmp_path, status, body, quoted, fix):
+    """A message that does not parse is quoted verbatim, still on one line; the fix is named only for the context."""
+    client = _client_answering(status, body)
+    with pytest.raises(SamplerRequestRefused) as error, server_failures(client, str(tmp_path)):
+        client.generate([[5] * 4], max_tokens=8)
+    message = str(error.value)
+    assert "\n" not in message and f"(HTTP {status}): {quoted}" in message
+    assert ("--max-model-len" in message) == fix

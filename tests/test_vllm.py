@@ -22,7 +22,7 @@ from types import SimpleNamespace
 
 import pytest
 from support.helpers import cpu_env, free_port
-from support.vllm_servers import serving
+from support.vllm_servers import OVER_CONTEXT_ANSWER, serving
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow,
               pytest.mark.skipif(importlib.util.find_spec("vllm") is None,
@@ -576,6 +576,32 @@ def test_server_mode_r3_across_tool_turns_replays_the_hand_stitched_routes(vllm_
     routes; every policy pass equals a model copy scored with routes stitched by hand from the raw answers."""
     url, model_dir = vllm_tool_server
     _multi_turn_checks(_run(tmp_path, model_dir=model_dir, server=url, **TOOL_RUN))
+
+
+def test_a_turn_longer_than_the_servers_context_stops_with_one_line(vllm_tool_server, tmp_path):
+    """TRL asks for max_completion_length new tokens in every tool turn, whose prompt is the whole conversation so
+    far: a 146-token prompt with max_tokens 128 on this server (max_model_len 256) is refused with HTTP 400, exactly
+    the answer tests/test_server_watch.py reads. Inside GSPOTrainer's guards (`server_failures` around the route
+    capture, as in a server-mode round) the request stops with one line naming both lengths, the limit and the fix."""
+    import requests
+
+    from trl_gspo.sampling.server import SamplerRequestRefused, capture_server_choices, server_failures
+
+    url, _ = vllm_tool_server
+    client = SimpleNamespace(session=requests.Session(), base_url=url)
+    model = client.session.get(f"{url}/v1/models").json()["data"][0]["id"]
+    request = {"model": model, "prompt": [[3 + i % 40 for i in range(146)]], "max_tokens": 128,
+               "return_token_ids": True}  # ids of the tiny character tokenizer
+    answer = client.session.post(f"{url}/v1/completions", json=request)
+    assert (answer.status_code, answer.json()) == (400, OVER_CONTEXT_ANSWER)
+    with (pytest.raises(SamplerRequestRefused) as error, server_failures(client, str(tmp_path)),
+          capture_server_choices(client)):
+        client.session.post(f"{url}/v1/completions", json=request)
+    message = str(error.value)
+    assert "\n" not in message
+    assert (f"the vLLM server at {url} refused a generation request (HTTP 400): a prompt of 146 tokens plus "
+            "max_tokens=128 (max_completion_length) is 274 tokens, more than the server's max_model_len=256. Fix: "
+            "start the server with a larger --max-model-len") in message
 
 
 # ---------------------------------------------------------------- tool loops on two processes, rank-divergent turns

@@ -157,7 +157,9 @@ class Probe:
             answer = requests.post(f"{self.url}/v1/completions", timeout=120, json={
                 "model": self.model_name, "prompt": sequence, "max_tokens": 1, "temperature": 1.0,
                 "prompt_logprobs": 0})
-            answer.raise_for_status()
+            if not answer.ok or "choices" not in answer.json():  # the server's own words, not a KeyError below
+                raise RuntimeError(f"the vLLM server answered /v1/completions with HTTP {answer.status_code}: "
+                                   f"{answer.text[:2000]}")
             prompt_logprobs = answer.json()["choices"][0]["prompt_logprobs"]  # None first (no context)
             out += [entry[str(token)]["logprob"] for entry, token in zip(prompt_logprobs[1:], sequence[1:])]
         return torch.tensor(out)

@@ -58,6 +58,7 @@ sys.path.insert(0, str(TESTS))
 sys.path.insert(0, str(TESTS / "scripts"))
 from support.helpers import tiny_config  # noqa: E402
 from support.tool_turn_runs import forced_calls  # noqa: E402
+from support.vllm_servers import completions_choices  # noqa: E402
 
 try:  # skip DeepSpeed's JIT build of a shared-memory op that gloo on CPU does not need
     import deepspeed.ops
@@ -167,8 +168,8 @@ def answer_choices(response):
     if response.headers.get("content-type", "").startswith("application/x-trl-gspo-routes"):
         from safetensors.numpy import load
 
-        return json.loads(load(body)["answer"].tobytes())["choices"]
-    return json.loads(body)["choices"]
+        return completions_choices(json.loads(load(body)["answer"].tobytes()), response.status_code)
+    return completions_choices(json.loads(body), response.status_code)
 
 
 def report_foreign_completions(trainer):

@@ -44,6 +44,7 @@ sys.path.insert(0, str(TESTS))
 from support import vllm_cpu_engine  # noqa: E402
 from support.helpers import digit_reward, tiny_config  # noqa: E402
 from support.tool_turn_runs import forced_calls  # noqa: E402
+from support.vllm_servers import completions_choices  # noqa: E402
 
 try:  # skip DeepSpeed's JIT build of a shared-memory op that gloo on CPU does not need
     import deepspeed.ops
@@ -171,16 +172,15 @@ def decode_server_answer(body: bytes, content_type: str):
     from safetensors.numpy import load
 
     if not content_type.startswith("application/x-trl-gspo-routes"):
-        answer = json.loads(body)
         return [(choice, np.load(io.BytesIO(base64.b64decode(choice["routed_experts"]))))
-                for choice in answer["choices"]]
+                for choice in completions_choices(json.loads(body))]
     tensors = load(body)
     answer, arrays = json.loads(tensors["answer"].tobytes()), []
     for i, shared in enumerate(tensors["shared"].tolist()):
         own = tensors[f"routes.{i}"]
         arrays.append(np.concatenate([arrays[-1][:shared], own]) if shared else own)
         assert (arrays[-1][-1] == np.iinfo(arrays[-1].dtype).max).all()  # the frame's no_route row
-    return [(choice, arrays[int(choice["routed_experts"][1:])][:-1]) for choice in answer["choices"]]
+    return [(choice, arrays[int(choice["routed_experts"][1:])][:-1]) for choice in completions_choices(answer)]
 
 
 SERVER_FORMS = {}  # content type -> answers received (server mode)
@@ -201,7 +201,8 @@ def keep_server_outputs(trainer, outputs):
 
         def keeping(url, *a, **k):
             response = post(url, *a, **k)
-            if url.endswith("/v1/completions"):
+            # an error answer is left to the trainer, which reports it to the user (trl_gspo/sampling/server.py)
+            if url.endswith("/v1/completions") and response.ok:
                 content_type = response.headers.get("content-type", "")
                 SERVER_FORMS[content_type.split(";")[0]] = SERVER_FORMS.get(content_type.split(";")[0], 0) + 1
                 for choice, routes in decode_server_answer(response.content, content_type):  # read, kept for TRL

