@@ -197,6 +197,13 @@ def os_cpus() -> int:
     return os.cpu_count() or 1
 
 
+def _saved_rows(path: Path) -> list[dict]:
+    text = path.read_text()
+    if text.lstrip().startswith("["):
+        return json.loads(text)
+    return [json.loads(line) for line in text.splitlines() if line.startswith("{")]
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--layouts", default=",".join(LAYOUTS))
@@ -204,7 +211,17 @@ def main():
     parser.add_argument("--out", type=Path, default=Path("/tmp/trl-gspo-fault-matrix"))
     parser.add_argument("--json", type=Path, help="also write the rows here")
     parser.add_argument("--write-docs", action="store_true", help="put the table in docs/reliability.md")
+    parser.add_argument("--rows", type=Path, nargs="+",
+                        help="no run: the table of rows saved by --json (or the JSON lines a run prints)")
     options = parser.parse_args()
+    if options.rows:
+        rows = [row for path in options.rows for row in _saved_rows(path)]
+        print(table(rows))
+        if options.write_docs:
+            seconds = sum(row["launch_s"] for row in {(r["layout"], r["trainer"], r["launch_s"]): r
+                                                      for r in rows}.values())
+            write_docs(rows, seconds, "python benchmarks/fault_matrix.py --json ROWS, then --rows ROWS --write-docs")
+        return
     trainers = options.trainers.split(",")
     model_dir = None
     if "async" in trainers:  # AsyncGSPOTrainer loads its model by path

@@ -217,3 +217,18 @@ def test_a_lora_sync_holds_at_most_one_and_a_half_adapted_tensors():
     attention = next(line for line in lines if line.startswith("one attention tensor's build"))
     count = re.search(r"PEFT's merge arithmetic: (\d+) of (\d+)", attention)
     assert count.group(1) == count.group(2)
+
+
+def test_rank_agreement_cost_adds_one_all_reduce_per_weight_sync(tmp_path):
+    """benchmarks/rank_agreement_cost.py on DDP, one training per arm: in server mode the agreement adds one
+    all-reduce (and its one host read) per weight sync, and nothing per micro-batch or elsewhere."""
+    import json
+
+    lines = _run(BENCHMARKS / "rank_agreement_cost.py", "--layouts", "ddp", "--repeats", "1", "--out", tmp_path,
+                 "--json", tmp_path / "rows.json")
+    assert lines[-1].startswith("rank_agreement_cost: collectives +1.00 per weight sync (all_reduce), 0 per "
+                                "micro-batch, 0 elsewhere; host reads +1.00 per weight sync, 0 per micro-batch "
+                                "(ddp; 2 ranks; repeats identical;"), lines[-1]
+    rows = json.loads((tmp_path / "rows.json").read_text())["rows"]
+    assert [row["rank"] for row in rows] == [0, 1]
+    assert all(row["weight_syncs"] == 2 and row["collectives_added_by_name"] == {"all_reduce": 2} for row in rows)
