@@ -48,7 +48,7 @@ from .. import metrics as gspo_metrics
 from ..config import GSPO_LOSS_TYPES, band_description, default_output_dir
 from ..lora_merge import exact_sync_stream, merge_calls_skipped
 from ..losses import gspo_packed_loss, nonfinite_counts, unpack_segments
-from ..ranks.phases import SYNC, RanksStopTogether, kept_failures, rank_wait_timeout
+from ..ranks.phases import SYNC, RanksStopTogether, kept_failures, named_server_failures, rank_wait_timeout
 from ..ranks.watch import phase
 from ..ranks import FailedElsewhere
 from ..routing.replay import RoutingReplay
@@ -234,12 +234,14 @@ class AsyncGSPOTrainer(RanksStopTogether, AsyncGRPOTrainer):
         main = self.accelerator.is_main_process
         client = getattr(self, "vllm_client", None) if main else None
         with phase(SYNC, rank_wait_timeout(self.args)), contextlib.ExitStack() as kept:
-            if main and self.weight_transfer is not None:
-                kept.enter_context(kept_failures(self.weight_transfer, ("pause", "send_weights", "resume"), failures,
-                                                 drains=("send_weights",)))
+            transfer = self.weight_transfer if main else None
+            calls = [(transfer, ("pause", "send_weights", "resume"))] if transfer is not None else []
             if client is not None and self._lora_sync:  # the LoRA sync talks to the server through TRL's client
-                kept.enter_context(kept_failures(client, ("pause", "load_lora_adapter", "unload_lora_adapter",
-                                                          "resume"), failures))
+                calls.append((client, ("pause", "load_lora_adapter", "unload_lora_adapter", "resume")))
+            for target, names in calls:
+                if client is not None:  # a connection error named as the server's
+                    kept.enter_context(named_server_failures(target, names, client, self.args.output_dir))
+                kept.enter_context(kept_failures(target, names, failures, drains=("send_weights",)))
             self._errors_of_exact_lora = failures if main else None
             try:
                 super()._sync_weight()

@@ -87,6 +87,30 @@ def kept_failures(target, names, failures: list, drains=()):
     return stack
 
 
+def named_server_failures(target, names, client, output_dir: str) -> contextlib.ExitStack:
+    """Around calls of `target`'s methods `names` that talk to the server of TRL's `client` (on the main process): a
+    connection error becomes the `SamplerServerError` that names the server, the newest complete checkpoint and the
+    resume, before it is kept and shared, so every rank raises that class and message."""
+    import types
+
+    from ..sampling.server import server_failures
+
+    # TRL's synchronous client names its server `base_url`, the asynchronous one `server_url`
+    server = types.SimpleNamespace(base_url=getattr(client, "base_url", None) or getattr(client, "server_url", None))
+
+    def named(method):
+        def call(*args, **kwargs):
+            with server_failures(server, output_dir, during="a weight sync"):
+                return method(*args, **kwargs)
+        return call
+
+    stack = contextlib.ExitStack()
+    for name in names:
+        if hasattr(target, name):
+            stack.enter_context(wrapping_method(target, name, named))
+    return stack
+
+
 def agreed_server_sync(trainer) -> None:
     """Server mode (GSPOTrainer): TRL's weight sync as an agreed section. On the main process a failed request to the
     server (before the stream, inside it, or resetting the prefix cache after it) is named (`SamplerServerError`),
@@ -94,27 +118,18 @@ def agreed_server_sync(trainer) -> None:
     (`trl_gspo.ranks.together`). Every rank syncs at the same steps in server mode; in colocate mode with sleep mode
     TRL syncs before each generate call, and the ranks of a tool loop make different numbers of calls, so a flag per
     sync there would pair with another collective: colocate syncs are not wrapped."""
-    from ..sampling.server import server_failures
-
     generation, accelerator = trainer.vllm_generation, trainer.accelerator
     client = generation.vllm_client if accelerator.is_main_process else None
     sync = generation.sync_weights
     bound = rank_wait_timeout(trainer.args)
 
-    def named(method):  # a connection error becomes SamplerServerError before it is kept
-        def call(*args, **kwargs):
-            with server_failures(client, trainer.args.output_dir):
-                return method(*args, **kwargs)
-        return call
-
     def sync_kept():
         failures: list[BaseException] = []
         with contextlib.ExitStack() as stack:
             if client is not None:
-                for name in ("update_named_params", "reset_prefix_cache"):
-                    stack.enter_context(wrapping_method(client, name, named))
-                stack.enter_context(kept_failures(client, ("update_named_params", "reset_prefix_cache"), failures,
-                                                  drains=("update_named_params",)))
+                names = ("update_named_params", "reset_prefix_cache")
+                stack.enter_context(named_server_failures(client, names, client, trainer.args.output_dir))
+                stack.enter_context(kept_failures(client, names, failures, drains=("update_named_params",)))
             try:
                 sync()
             except Exception as error:  # noqa: BLE001 - a failure outside the client's calls: raised together too

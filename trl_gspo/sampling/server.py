@@ -59,7 +59,7 @@ def refused_request(base_url: str, response) -> SamplerRequestRefused:
 
 
 @contextlib.contextmanager
-def server_failures(client, output_dir: str, stall_timeout: float = 0.0):
+def server_failures(client, output_dir: str, stall_timeout: float = 0.0, during: str = "generation"):
     """Around a server-mode generation call (TRL's weight sync and generate), on the main process: a server that died
     or restarted and refuses the connection, drops it mid-answer, or hangs (no progress for `stall_timeout` seconds
     while a generation request is out: `trl_gspo.sampling.server_watch`; 0 waits forever, as TRL does) becomes one
@@ -112,7 +112,7 @@ def server_failures(client, output_dir: str, stall_timeout: float = 0.0):
         try:
             yield
         except connection_errors as err:
-            raise stopped(f"stopped answering during generation ({type(err).__name__})", err) from err
+            raise stopped(f"stopped answering during {during} ({type(err).__name__})", err) from err
         except ServerStalled as err:
             raise stopped(
                 f"made no progress for {err.seconds:.0f} s while a generation request was out (its /metrics counters "
