@@ -38,11 +38,9 @@ STOP_WITHIN_S = 60.0
 def cells_of(trainer: str, layout: str) -> list[str]:
     """The trainer's cells: faults only the main process can meet (it alone talks to the server) on rank 0; the
     others on rank 0 and, separately, on rank 1. The asynchronous trainer computes rewards in its rollout worker,
-    not on the ranks. Under ZeRO-3, LoRA on fused experts fails its first backward on CPU, before any fault
-    (docs/reliability.md), so `lora-build` runs under DDP and ZeRO-2."""
+    not on the ranks."""
     if trainer == "gspo-server":
-        own = [f for f in SERVER_FAULTS if not (f == "lora-build" and layout.startswith("zero3"))]
-        common = ANY_FAULTS
+        own, common = SERVER_FAULTS, ANY_FAULTS
     elif trainer == "gspo-hf":
         own, common = (), HF_FAULTS + ANY_FAULTS
     else:

@@ -2,7 +2,14 @@
 fused experts, `merge_adapters_for_rollout` on and then off (tests/scripts/lora_layouts_run.py), and must either
 train with the base bit for bit frozen and the folded run equal to the active one, or refuse before step 1 in one
 line naming the layout and the setting to change. Never a crash or a hang (each launch is bounded). docs/lora.md's
-table "What each layout does" must say what the rows measured. About 15-25 s a row on 2 cores."""
+table "What each layout does" must say what the rows measured. About 15-25 s a row on 2 cores.
+
+The ZeRO-3 row with `ds3_gather_for_generation: true` runs with `stage3_param_persistence_threshold: 0`, so that
+DeepSpeed releases the tiny model's LoRA factors after each forward as it does a real model's (below the default
+threshold, 1e5 elements, they stay gathered), with LoRA on the fused experts only (adapters on attention as well hide
+the early release on this model) and 1 mini-batch per rollout (no forward between generation and the first training
+forward): without `keep_factors_gathered` (trl_gspo/trainer/lora.py) its first backward fails. The other ZeRO-3 row
+keeps the default threshold, LoRA on attention and the experts, and 2 mini-batches."""
 
 import json
 import re
@@ -11,6 +18,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import yaml
 from support.helpers import cpu_env, free_port
 from support.multiprocess import ONE_PROCESS
 
@@ -32,13 +40,14 @@ num_machines: 1
 num_processes: 2
 use_cpu: false
 """
-# table label in docs/lora.md -> (launch arguments, script arguments); "{fsdp1}" / "{fsdp2}": a config written here
+# table label in docs/lora.md -> (launch arguments, script arguments); "{fsdp1}" / "{fsdp2}" / "{zero3}": a config
+# written here
 ROWS = {
     "one process": (ONE_PROCESS, []),
     "DDP, 2 processes": (["--config_file", str(CONFIGS / "cpu_ddp.yaml"), "--num_processes", "2"], []),
     "ZeRO-2, 2 processes": (["--config_file", str(CONFIGS / "cpu_zero2.yaml"), "--num_processes", "2"], []),
     "ZeRO-3, `ds3_gather_for_generation: true`": (
-        ["--config_file", str(CONFIGS / "cpu_zero3.yaml"), "--num_processes", "2"], []),
+        ["--config_file", "{zero3}", "--num_processes", "2"], ["--targets", "experts", "--steps-per-generation", "1"]),
     "ZeRO-3, `ds3_gather_for_generation: false`": (
         ["--config_file", str(CONFIGS / "cpu_zero3.yaml"), "--num_processes", "2"], ["--ds3-gather", "false"]),
     "FSDP v1, LoRA on `target_modules` only": (["--config_file", "{fsdp1}"], ["--targets", "attention"]),
@@ -55,12 +64,33 @@ def _documented_rows() -> dict[str, list[str]]:
     return {cells[0].strip(): [cell.strip() for cell in cells[1:]] for cells in rows[1:]}
 
 
+def _zero3_releasing_every_parameter(tmp_path) -> Path:
+    """cpu_zero3.yaml with `stage3_param_persistence_threshold: 0`, which accelerate's YAML cannot set: the same
+    settings in a DeepSpeed JSON file (module docstring)."""
+    launch = yaml.safe_load((CONFIGS / "cpu_zero3.yaml").read_text())
+    ds = launch.pop("deepspeed_config")
+    json_file = tmp_path / "zero3_no_persistence.json"
+    json_file.write_text(json.dumps({
+        "train_batch_size": "auto", "train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto",
+        "gradient_clipping": "auto", "bf16": {"enabled": launch.pop("mixed_precision") == "bf16"},
+        "zero_optimization": {"stage": ds["zero_stage"], "stage3_param_persistence_threshold": 0,
+                              "stage3_gather_16bit_weights_on_model_save": ds["zero3_save_16bit_model"],
+                              "offload_optimizer": {"device": ds["offload_optimizer_device"]},
+                              "offload_param": {"device": ds["offload_param_device"]}}}))
+    launch["deepspeed_config"] = {"deepspeed_config_file": str(json_file), "zero3_init_flag": ds["zero3_init_flag"],
+                                  "deepspeed_multinode_launcher": ds["deepspeed_multinode_launcher"]}
+    config = tmp_path / "zero3.yaml"
+    config.write_text(yaml.safe_dump(launch))
+    return config
+
+
 def _launch(tmp_path, label):
     launch, script = ROWS[label]
     for version in (1, 2):
         config = tmp_path / f"fsdp{version}.yaml"
         config.write_text(FSDP.format(version=version))
-    launch = [arg.format(fsdp1=tmp_path / "fsdp1.yaml", fsdp2=tmp_path / "fsdp2.yaml") for arg in launch]
+    zero3 = _zero3_releasing_every_parameter(tmp_path)
+    launch = [arg.format(fsdp1=tmp_path / "fsdp1.yaml", fsdp2=tmp_path / "fsdp2.yaml", zero3=zero3) for arg in launch]
     command = [sys.executable, "-m", "accelerate.commands.launch", *launch, "--main_process_port", str(free_port()),
                str(SCRIPT), str(tmp_path / "out"), *script]
     return subprocess.run(command, capture_output=True, text=True, timeout=300, env=cpu_env(OMP_NUM_THREADS="1"))

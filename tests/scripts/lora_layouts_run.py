@@ -1,8 +1,9 @@
 """Run under `accelerate launch` in one layout (one process, DDP, ZeRO-2, ZeRO-3, FSDP v1 or FSDP2 on CPU): two short
 GSPOTrainer runs of a tiny Qwen3-MoE with LoRA on attention and on the fused experts, HF generate, 2 mini-batches
-per rollout, `merge_adapters_for_rollout` on and then off, in the same processes.
+per rollout (an old-policy pass before training; 1: none), `merge_adapters_for_rollout` on and then off, in the same
+processes.
 
-    lora_layouts_run.py OUT_DIR [--dtype bfloat16|float32] [--ds3-gather true|false]
+    lora_layouts_run.py OUT_DIR [--dtype bfloat16|float32] [--ds3-gather true|false] [--steps-per-generation N]
 
 FSDP on CPU: accelerate runs no FSDP without a GPU, so under an FSDP config this script makes accelerate pick the
 backend a GPU would (gloo instead of NCCL) and trains on the CPU; a test's stand-in for the GPU layout, never training.
@@ -49,6 +50,7 @@ parser = argparse.ArgumentParser()
 parser.add_argument("out_dir", type=Path)
 parser.add_argument("--dtype", default="bfloat16")
 parser.add_argument("--ds3-gather", default="true")
+parser.add_argument("--steps-per-generation", type=int, default=2, help="mini-batches per rollout")
 parser.add_argument("--runs", default="fold,active", help="which runs, in order: fold (merge_adapters_for_rollout "
                     "on), active (off)")
 parser.add_argument("--targets", default="attention,experts", help="LoRA on attention, the fused experts, or both")
@@ -113,8 +115,8 @@ def run(fold: bool) -> dict:
     before = {vllm_name(name): param.detach().clone() for name, param in model.named_parameters()}
     world = int(os.environ.get("WORLD_SIZE", "1"))
     args = tiny_config(cli.out_dir / ("fold" if fold else "active"), loss_type="gspo", max_steps=4,
-                       steps_per_generation=2, per_device_train_batch_size=8 // world, learning_rate=5e-2,
-                       ddp_backend="gloo" if world > 1 else None, merge_adapters_for_rollout=fold,
+                       steps_per_generation=cli.steps_per_generation, per_device_train_batch_size=8 // world,
+                       learning_rate=5e-2, ddp_backend="gloo" if world > 1 else None, merge_adapters_for_rollout=fold,
                        ds3_gather_for_generation=cli.ds3_gather == "true",
                        use_cpu=os.environ.get("ACCELERATE_USE_FSDP") != "true")  # FSDP: the GPU's path (above)
     trainer = GSPOTrainer(model, digit_reward, args=args, train_dataset=toy_dataset(), processing_class=tokenizer,

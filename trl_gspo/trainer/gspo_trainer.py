@@ -178,6 +178,7 @@ class GSPOTrainer(RanksStopTogether, CheckpointMixin, ToolTurnsMixin, GRPOTraine
         return result
 
     def training_step(self, model, inputs, num_items_in_batch):
+        TrainerLora.keep_factors_gathered(self)  # ZeRO-3: PEFT reads `target_parameters` factors directly (lora.py)
         if self._routing is None:
             return super().training_step(model, inputs, num_items_in_batch)
         # The replay stays open until backward has finished (checkpointed layers re-run their routers there). The

@@ -68,8 +68,50 @@ def check_lora_layout(trainer, model) -> None:
             "in the accelerate config, DeepSpeed ZeRO-3, or LoRA on `target_modules` only (docs/lora.md).")
 
 
+def keep_factors_gathered(trainer) -> int:
+    """Under DeepSpeed ZeRO-3, keep the LoRA factors of every PEFT `ParamWrapper` (LoRA on parameters,
+    `target_parameters`: fused MoE experts) gathered from their first use in a forward until the optimizer step.
+    Returns how many factors it marked now (0 once done, and outside ZeRO-3). Called at each training step, with or
+    without a `TrainerLora`: idempotent, a walk of the modules.
+
+    PEFT's `ParamWrapper` builds its weight in its forward by reading `lora_A[name].weight` and `lora_B[name].weight`
+    directly (`get_delta_factors`, `get_delta_weight`); the factor modules' own forward never runs. DeepSpeed gathers a
+    parameter read that way (`ZeROOrderedDict.__getitem__`) but does not mark it external, so it releases it at the
+    wrapper's post-forward hook, and backward then finds an empty tensor ("The size of tensor a (0) must match the
+    size of tensor b (16)"); plain TRL fails the same way. Factors under `stage3_param_persistence_threshold` are never
+    released, so only real sizes can fail (Qwen3-30B-A3B's are 0.4-1M elements). The fix sets DeepSpeed's
+    per-parameter flag `is_external_param = True` on each factor, which `release_sub_module` checks before releasing a
+    parameter (DeepSpeed sets it itself for parameters a module returns). The optimizer step still partitions every
+    parameter (`partition_all_parameters`), so a factor is held whole from its first forward of a step to the step.
+    `deepspeed.initialize` resets the flag (`_convert_to_deepspeed_param`), hence a call per step, not at construction.
+    """
+    if not _zero3(trainer):
+        return 0
+    try:
+        from peft.tuners.lora.layer import ParamWrapper
+    except ImportError:
+        return 0
+    marked = 0
+    for module in trainer.accelerator.unwrap_model(trainer.model).modules():
+        if not isinstance(module, ParamWrapper):
+            continue
+        for factors in (module.lora_A, module.lora_B):
+            for factor in factors.values():
+                for weight in factor.parameters(recurse=False):  # not `.weight`: no gather outside a forward
+                    if hasattr(weight, "ds_id") and not getattr(weight, "is_external_param", False):
+                        weight.is_external_param = True
+                        marked += 1
+    if marked and trainer.accelerator.is_main_process:
+        logger.info(f"LoRA under ZeRO-3: {marked} factors of PEFT `target_parameters` layers kept gathered from their "
+                    "first forward to the optimizer step (PEFT reads them outside their modules' forward).")
+    return marked
+
+
 class TrainerLora:
     """Folds a `GSPOTrainer`'s LoRA adapters for its rollouts and weight syncs; `build` returns None without LoRA."""
+
+    # ZeRO-3 + `target_parameters`: not tied to `build`, which returns None without active adapters (see the function)
+    keep_factors_gathered = staticmethod(keep_factors_gathered)
 
     FOLDED_BYTES = "lora/folded_rollout_bytes"  # the folded experts' copy a rollout held on this rank (0: none)
 
