@@ -1049,7 +1049,8 @@ def test_async_grpo_config_fields_async_gspo_builds_on():
             "num_generations", "weight_sync_steps"} <= set(trl_fields)
     own = {f.name for f in dataclasses.fields(AsyncGSPOConfig)} - set(trl_fields)
     assert own == {"loss_type", "routing_replay", "delta", "staleness_correction", "staleness_weight_cap",
-                   "exact_lora_merge", "clip_band", "clip_band_target", "clip_band_min", "clip_band_max"}
+                   "exact_lora_merge", "clip_band", "clip_band_target", "clip_band_min", "clip_band_max",
+                   "rank_wait_timeout"}
     args = AsyncGRPOConfig(output_dir="unused", use_cpu=True, report_to="none")
     assert args.accelerator_config.dispatch_batches is True and args.accelerator_config.split_batches is True
 
