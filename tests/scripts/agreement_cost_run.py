@@ -160,7 +160,14 @@ def sweep() -> list[str]:
 install()
 
 sys.path.insert(0, str(Path(HERE).parent))
-import fault_run  # noqa: E402  (DeepSpeed, and its shared-memory op left unbuilt, as fault_run does)
+import fault_run  # noqa: E402
+
+try:  # skip DeepSpeed's 60-80 s JIT build of a shared-memory op that gloo on CPU does not need
+    import deepspeed.ops  # noqa: E402
+
+    deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
+except ImportError:
+    pass
 
 from trl_gspo.ranks import phases as rank_phases  # noqa: E402
 from trl_gspo.ranks import watch as rank_watch  # noqa: E402

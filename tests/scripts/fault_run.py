@@ -43,13 +43,6 @@ sys.path.insert(0, str(HERE))
 from support.helpers import digit_reward, tiny_config, toy_dataset  # noqa: E402
 
 import trl_gspo.lora_merge as lora_merge  # noqa: E402
-
-try:  # skip DeepSpeed's 60-80 s JIT build of a shared-memory op that gloo on CPU does not need
-    import deepspeed.ops
-
-    deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
-except ImportError:
-    pass
 import trl_gspo.ranks.watch as rank_watch  # noqa: E402
 
 STEP = 2  # the optimizer step (1-based) at which every fault fires
@@ -316,6 +309,12 @@ def main():
     parser.add_argument("--model-dir")
     options = parser.parse_args()
     torch.set_num_threads(1)
+    try:  # skip DeepSpeed's 60-80 s JIT build of a shared-memory op that gloo on CPU does not need
+        import deepspeed.ops
+
+        deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
+    except ImportError:
+        pass
     rank = int(os.environ.get("RANK", "0"))
     current = []
 
