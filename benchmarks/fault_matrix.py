@@ -212,6 +212,9 @@ def main():
     parser.add_argument("--rows", type=Path, nargs="+",
                         help="no run: the table of rows saved by --json (or the JSON lines a run prints)")
     options = parser.parse_args()
+    import _setup  # benchmarks/: the conditions line every benchmark prints first
+
+    _setup.header("fault_matrix", "cpu", "float32", _setup.size_kernel("tiny"))
     if options.rows:
         rows = [row for path in options.rows for row in _saved_rows(path)]
         print(table(rows))
