@@ -9,7 +9,8 @@ complete, so a resume skips it); the launcher exited and no process of the run i
 
     python benchmarks/fault_matrix.py [--layouts ddp,zero3] [--trainers gspo-server,gspo-hf,async] [--out DIR]
 
-prints docs/reliability.md's table (the page holds its output for the run it names). tests/test_fault_matrix.py runs
+prints the table; `--write-docs` puts it in docs/results.md and its summary per fault point in
+docs/reliability.md. tests/test_fault_matrix.py runs
 every fault point on DDP and ZeRO-3 in CI through `run_launch` and `check_cell`."""
 
 from __future__ import annotations
@@ -134,11 +135,12 @@ def _phase(reports: list[dict]) -> str:
     return "?"
 
 
-def run_matrix(layouts, trainers, out: Path, model_dir: str | None) -> list[dict]:
+def run_matrix(layouts, trainers, out: Path, model_dir: str | None, only: set | None = None) -> list[dict]:
     rows = []
     for layout in layouts:
         for trainer in trainers:
-            for group in launches(cells_of(trainer, layout)):
+            cells = [cell for cell in cells_of(trainer, layout) if only is None or cell in only]
+            for group in launches(cells):
                 base = out / layout / trainer
                 base.mkdir(parents=True, exist_ok=True)
                 launch = run_launch(base, layout, trainer, group, model_dir)
@@ -167,12 +169,34 @@ def table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-DOCS = ROOT / "docs" / "reliability.md"
+RESULTS, RELIABILITY = ROOT / "docs" / "results.md", ROOT / "docs" / "reliability.md"
 BEGIN, END = "<!-- fault matrix: benchmarks/fault_matrix.py --write-docs -->", "<!-- end of the fault matrix -->"
 
 
+def summary(rows: list[dict]) -> str:
+    """One row per fault point: the cells that passed of those run, per layout."""
+    layouts = list(dict.fromkeys(row["layout"] for row in rows))
+    faults = list(dict.fromkeys(row["cell"].split("@")[0] for row in rows))
+    lines = ["| fault | " + " | ".join(layouts) + " |", "|---|" + "---|" * len(layouts)]
+    for fault in faults:
+        cells = []
+        for layout in layouts:
+            run = [r for r in rows if r["layout"] == layout and r["cell"].split("@")[0] == fault]
+            passed = sum(1 for r in run if not r["problems"])
+            cells.append(f"{passed}/{len(run)} pass" if run else "-")
+        lines.append(f"| `{fault}` | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def _between_markers(path: Path, text: str) -> None:
+    page = path.read_text()
+    start, end = page.index(BEGIN) + len(BEGIN), page.index(END)
+    path.write_text(page[:start] + "\n" + text + "\n" + page[end:])
+
+
 def write_docs(rows: list[dict], seconds: float, command: str) -> None:
-    """Replace the table between the markers of docs/reliability.md with this run's, and what ran it."""
+    """This run's table into docs/results.md and its summary per fault point into docs/reliability.md, each between
+    the page's markers, with what ran it."""
     import datetime
     import platform
 
@@ -184,9 +208,8 @@ def write_docs(rows: list[dict], seconds: float, command: str) -> None:
     source = (f"Measured {datetime.date.today().isoformat()} at {commit} on a {os_cpus()}-core CPU machine "
               f"({platform.machine()}, torch {torch.__version__}): `{command}`, {len(rows)} cells, {failed} failed, "
               f"{seconds / 60:.0f} min.")
-    text = DOCS.read_text()
-    start, end = text.index(BEGIN) + len(BEGIN), text.index(END)
-    DOCS.write_text(text[:start] + "\n" + source + "\n\n" + table(rows) + "\n" + text[end:])
+    _between_markers(RESULTS, source + "\n\n" + table(rows))
+    _between_markers(RELIABILITY, summary(rows))
 
 
 def os_cpus() -> int:
@@ -208,7 +231,8 @@ def main():
     parser.add_argument("--trainers", default="gspo-server,gspo-hf,async")
     parser.add_argument("--out", type=Path, default=Path("/tmp/trl-gspo-fault-matrix"))
     parser.add_argument("--json", type=Path, help="also write the rows here")
-    parser.add_argument("--write-docs", action="store_true", help="put the table in docs/reliability.md")
+    parser.add_argument("--cells", help="only these cells (comma-separated, e.g. nan@0,oom@1)")
+    parser.add_argument("--write-docs", action="store_true", help="put the table in docs/results.md, a summary in docs/reliability.md")
     parser.add_argument("--rows", type=Path, nargs="+",
                         help="no run: the table of rows saved by --json (or the JSON lines a run prints)")
     options = parser.parse_args()
@@ -231,7 +255,8 @@ def main():
 
         model_dir = save_tiny_moe(options.out / "model")
     start = time.monotonic()
-    rows = run_matrix(options.layouts.split(","), trainers, options.out, model_dir)
+    only = set(options.cells.split(",")) if options.cells else None
+    rows = run_matrix(options.layouts.split(","), trainers, options.out, model_dir, only)
     if options.json:
         options.json.write_text(json.dumps(rows, indent=1))
     print(table(rows))
