@@ -17,9 +17,9 @@ from __future__ import annotations
 import contextlib
 
 from ..config import DEFAULT_RANK_WAIT_TIMEOUT
-from .watch import RankWatch, phase, phase_of, rebuilt
-from . import together
 from ..routing.rollout import wrapping_method
+from . import together
+from .watch import RankWatch, phase, phase_of, rebuilt
 
 SYNC = "syncing weights to the vLLM server"
 REWARDS = "computing rewards"
