@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import socket
 import subprocess
 import sys
 import time
@@ -55,21 +54,15 @@ def launches(cells: list[str]) -> list[list[str]]:
     return ([agreed] if agreed else []) + [[c] for c in cells if c.split("@")[0] not in AGREED]
 
 
-def _port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def run_launch(out_dir: Path, layout: str, trainer: str, cells: list[str], model_dir: str | None = None,
                timeout: float = 600) -> dict:
     """One `accelerate launch` of fault_run.py; returns the launcher's exit code, seconds and the processes of the
     run still alive afterwards."""
-    from support.helpers import cpu_env
+    from support.helpers import cpu_env, free_port
 
     command = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
                str(ROOT / "recipes" / "accelerate" / LAYOUTS[layout]), "--num_processes", "2",
-               "--main_process_port", str(_port()), str(SCRIPT), str(out_dir), "--trainer", trainer, *cells]
+               "--main_process_port", str(free_port()), str(SCRIPT), str(out_dir), "--trainer", trainer, *cells]
     if model_dir:
         command += ["--model-dir", str(model_dir)]
     start = time.monotonic()

@@ -96,7 +96,7 @@ RECORDER = Recorder()
 
 
 def _short(path: str) -> str:
-    for marker in ("site-packages/", "/work/main/"):
+    for marker in ("site-packages/", str(Path(HERE).parents[2]) + "/"):  # the repository's root, wherever it lies
         if marker in path:
             return path.split(marker, 1)[1]
     return path
