@@ -163,7 +163,8 @@ def one_run(spec: dict) -> dict:
                 texts.append(tokenizer.decode(completion))
             reward = np.array(exact_match_reward(texts, answer=[answer] * GROUP), dtype=float)
             advantages = (reward - reward.mean()) / (reward.std() + 1e-8)  # TRL's rollout worker's rule
-            equal_groups += bool(reward.std() == 0)  # every completion the same reward: advantage 0, nothing to learn
+            differ = bool(reward.max() > reward.min())  # what the trainer's rollout loop marks (GroupRewardsLoop)
+            equal_groups += not differ  # every completion the same reward: nothing to learn
             rewards.extend(reward.tolist())
             for row, completion in enumerate(completions):
                 n = len(completion)
@@ -172,6 +173,7 @@ def one_run(spec: dict) -> dict:
                                 "completion_mask": np.array([0] * len(prompt_ids) + [1] * n),
                                 "old_log_probs": np.array([0.0] * len(prompt_ids) + sampled, dtype=np.float32),
                                 "advantage": float(advantages[row]), "group_id": group, "metrics": {},
+                                "rewards_differ": differ,
                                 "model_version": step + 1 - len(versions),
                                 "routes": (recording.indices[row, :len(prompt_ids) + n - 1].numpy()
                                            if sampler_routes is not None else None)})

@@ -13,8 +13,15 @@ pytest.register_assert_rewrite("support")
 
 import support.helpers  # noqa: E402,F401  next: sets the test environment (hub offline, at most two torch threads)
 import torch  # noqa: E402
+from hypothesis import settings  # noqa: E402
 from support.xdist_groups import group_module_fixture_users  # noqa: E402
 from support.vllm_servers import servers_as_found  # noqa: E402
+
+# Property tests draw the same examples on every run (a CI failure reproduces), with no per-example deadline (two
+# cores shared by two workers make timings noisy); `HYPOTHESIS_PROFILE=explore` draws fresh ones.
+settings.register_profile("repeatable", derandomize=True, deadline=None, database=None, print_blob=True)
+settings.register_profile("explore", deadline=None)
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "repeatable"))
 
 
 @pytest.fixture(autouse=True)

@@ -214,6 +214,11 @@ def test_config_presets_and_refusals(tmp_path):
     # the decoupled objective bounds a ratio that is 1 by construction: the band stays fixed, and 'adaptive' is refused
     decoupled = AsyncGSPOConfig(output_dir=str(tmp_path), use_cpu=True, staleness_correction="truncate")
     assert (decoupled.clip_band, decoupled.epsilon, decoupled.epsilon_high) == ("fixed", EPS_LOW, EPS_HIGH)
+    # a cap delta is set against a band the user knows: the paper's, fixed (the adaptive band could widen past it)
+    capped = AsyncGSPOConfig(output_dir=str(tmp_path), use_cpu=True, delta=1.1)
+    assert (capped.clip_band, capped.epsilon, capped.epsilon_high, capped.delta) == ("fixed", EPS_LOW, EPS_HIGH, 1.1)
+    with pytest.raises(ValueError, match="`delta`.*Fix: set clip_band='fixed'"):  # asked for: the fix names both
+        AsyncGSPOConfig(output_dir=str(tmp_path), use_cpu=True, clip_band="adaptive", delta=1.1)
     refusals = [(dict(loss_type="dapo"), "loss_type"), (dict(loss_type="grpo", delta=1.5), "delta"),
                 (dict(delta=1.0001), "delta"), (dict(epsilon=1.5), "epsilon"), (dict(epsilon_high=-1.0), "epsilon_high"),
                 (dict(max_staleness=-1), "max_staleness"), (dict(staleness_correction="clip"), "staleness_correction"),

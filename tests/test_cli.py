@@ -322,7 +322,7 @@ def test_builtin_cold_start_runs_in_one_process_before_an_fsdp_launch(tmp_path, 
     monkeypatch.setattr("trl_gspo.launch.checks.has_accelerator", lambda: True)
     recipe = _recipe(tmp_path, BASE.format(out=tmp_path / "o").replace("use_cpu: true", "use_cpu: false")
                      + "sft_steps: 5\n")
-    fsdp2 = ["--accelerate_config", str(ROOT / "recipes/accelerate/fsdp2.yaml"), "--num_processes", "1"]
+    fsdp2 = ["--accelerate_config", str(ROOT / "recipes/accelerate/fsdp2_fp32.yaml"), "--num_processes", "1"]
     assert main(["--config", recipe, *fsdp2]) == 0
     (cold_start, _), (launch, env) = launches
     assert cold_start[1:4] == ["-m", "trl_gspo.launch.train", "cold-start"]

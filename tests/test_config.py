@@ -1,13 +1,18 @@
 """GSPOConfig presets and early, clear errors for options GSPO cannot honour."""
 
+import copy
+import functools
 import re
+from unittest import mock
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 from support.helpers import digit_reward, tiny_config, toy_dataset
 from trl import GRPOConfig
 
 from trl_gspo import GSPOConfig, GSPOTrainer
-from trl_gspo.config import validate_gspo_args
+from trl_gspo.config import BatchShape, validate_gspo_args
 
 CPU = dict(output_dir="unused", use_cpu=True, bf16=False, report_to="none")
 
@@ -255,17 +260,30 @@ def test_report_to_typo_is_not_refused_at_config_time(tmp_path):
 
 
 @pytest.mark.parametrize("options, message", [
-    (dict(per_device_train_batch_size=32, num_generations=7),  # the user set num_generations
+    (dict(per_device_train_batch_size=32, num_generations=7),  # the user set num_generations: named first
      "`num_generations`: num_generations 7 does not divide the rollout batch of 128 completions "
-     "(per_device_train_batch_size 32 x 1 process(es) x steps_per_generation 4): each prompt's group must fall whole "
-     "in one rollout batch. Fix: num_generations=8 or 4, or keep 7 and set per_device_train_batch_size=35 or 28."),
+     "(per_device_train_batch_size 32 x 1 process(es) x steps_per_generation 4, GSPOConfig's 4 x "
+     "gradient_accumulation_steps): each prompt's group must fall whole in one rollout batch. Fix: set "
+     "num_generations=8 or 4, or per_device_train_batch_size=35 or 28, or generation_batch_size=224 or 448, or "
+     "steps_per_generation=7 or 14 (each alone)."),
     (dict(per_device_train_batch_size=31),  # num_generations at TRL's default: the batch size is what was set
      "`per_device_train_batch_size`: num_generations 8 does not divide the rollout batch of 124 completions "
-     "(per_device_train_batch_size 31 x 1 process(es) x steps_per_generation 4): each prompt's group must fall whole "
-     "in one rollout batch. Fix: per_device_train_batch_size=30 or 32, or num_generations=4 or 2."),
+     "(per_device_train_batch_size 31 x 1 process(es) x steps_per_generation 4, GSPOConfig's 4 x "
+     "gradient_accumulation_steps): each prompt's group must fall whole in one rollout batch. Fix: set "
+     "per_device_train_batch_size=30 or 32, or num_generations=4 or 2, or generation_batch_size=248 or 496, or "
+     "steps_per_generation=8 or 16 (each alone)."),
+    (dict(per_device_train_batch_size=31, num_generations=8),  # set to the default: still named as set
+     "`num_generations`: num_generations 8 does not divide"),
+    (dict(generation_batch_size=30, per_device_train_batch_size=6, num_generations=8),  # a set generation batch
+     "`num_generations`: num_generations 8 does not divide the rollout batch of 30 completions "
+     "(generation_batch_size): each prompt's group must fall whole in one rollout batch. Fix: set num_generations=6 "
+     "or 10, or generation_batch_size=24 or 48 (each alone)."),
+    (dict(generation_batch_size=30, per_device_train_batch_size=4),  # 28 would hold micro-batches, not groups of 8
+     "`generation_batch_size`: 30 is not a whole number of optimizer micro-batches (per_device_train_batch_size 4 x "
+     "1 process(es) = 4). Fix: set generation_batch_size=32 or 24 (each alone)."),
     (dict(generation_batch_size=100, per_device_train_batch_size=8),
      "`generation_batch_size`: 100 is not a whole number of optimizer micro-batches (per_device_train_batch_size 8 x "
-     "1 process(es) = 8). Fix: generation_batch_size=96 or 104, or set steps_per_generation instead."),
+     "1 process(es) = 8). Fix: set generation_batch_size=96 or 104 (each alone)."),
     (dict(generation_batch_size=64, steps_per_generation=2),
      "`generation_batch_size`: both generation_batch_size (64) and steps_per_generation (2) are set; each fixes the "
      "rollout batch. Fix: set only one of them."),
@@ -279,10 +297,96 @@ def test_trls_batch_shape_refusals_name_the_option_set_and_the_values_that_work(
     each value its fix names gives a valid config."""
     with pytest.raises(ValueError) as raised:
         GSPOConfig(**CPU, **options)
-    assert str(raised.value) == message
+    assert str(raised.value).startswith(message) and (message.endswith(".") or "Fix: set" in str(raised.value))
     cause = raised.value.__cause__
     assert isinstance(cause, ValueError) and ("must be divisible" in str(cause) or "both configured" in str(cause))
-    option = message[1:message.index("`", 1)]
-    first_fix = re.search(rf"Fix: {option}=(\d+)", message)
-    if first_fix:  # the first value the fix names works
-        GSPOConfig(**CPU, **{**options, option: int(first_fix.group(1))})
+    for option, value in suggested_fixes(str(raised.value)):  # every value the fix names works
+        GSPOConfig(**CPU, **{**options, option: value})
+
+
+@given(per_device=st.integers(1, 12), processes=st.integers(1, 8), num_generations=st.integers(2, 16),
+       accumulation=st.integers(1, 4), loss_type=st.sampled_from(["gspo", "grpo"]),
+       rollout=st.one_of(st.none(), st.tuples(st.sampled_from(["generation_batch_size", "steps_per_generation"]),
+                                              st.integers(1, 160))),
+       num_generations_given=st.booleans())
+def test_every_batch_shape_a_refusal_suggests_is_accepted(per_device, processes, num_generations, accumulation,
+                                                          loss_type, rollout, num_generations_given):
+    """For any batch shape (per-device batch, processes, generations, accumulation, a generation batch or steps per
+    generation or neither): GSPOConfig accepts it exactly when `BatchShape` says TRL's rule holds, and when it refuses,
+    every value its fix suggests, set alone, is accepted, over any number of processes (world size patched)."""
+    options = dict(per_device_train_batch_size=per_device, gradient_accumulation_steps=accumulation,
+                   loss_type=loss_type, **dict([rollout] if rollout else []))
+    if num_generations_given or num_generations != 8:  # 8: TRL's default, left unset half the time
+        options["num_generations"] = num_generations
+    world = mock.patch("transformers.TrainingArguments.world_size", new_callable=mock.PropertyMock,
+                       return_value=processes)
+    with world:
+        try:
+            config = GSPOConfig(**CPU, **options)
+        except ValueError as err:
+            refusal = str(err)
+        else:
+            refusal = None
+            assert config.generation_batch_size % (per_device * processes) == 0
+        presets = {"steps_per_generation"} if loss_type == "gspo" and "generation_batch_size" not in options and \
+            "steps_per_generation" not in options else set()
+        shape = BatchShape(per_device, processes, num_generations, options.get("generation_batch_size"),
+                           options.get("steps_per_generation", 4 * accumulation if presets else None), accumulation,
+                           bool(presets))
+        assert shape.valid() == (refusal is None), refusal
+        if refusal is None:
+            return
+        assert refusal.startswith("`") and "Fix:" in refusal
+        fixes = suggested_fixes(refusal)
+        assert fixes or "both generation_batch_size" in refusal, refusal
+        for option, value in fixes:
+            GSPOConfig(**CPU, **{**options, option: value})
+
+
+def suggested_fixes(message: str) -> list[tuple[str, int]]:
+    """Each (option, value) a batch-shape refusal suggests: "Fix: set a=1 or 2, or b=3 (each alone)."."""
+    fix = message.partition("Fix: ")[2]
+    return [(option, int(value)) for option, values in re.findall(r"(\w+)=(\d+(?: or \d+)*)", fix)
+            for value in values.split(" or ")]
+
+
+def range_rows() -> list[str]:
+    """docs/own_task.md's table of valid values, from `NUMBER_RANGES`: one row per range, its fields sorted."""
+    from trl_gspo.config import NUMBER_RANGES
+
+    fields: dict[str, list[str]] = {}
+    for name, valid in NUMBER_RANGES.items():
+        fields.setdefault(valid.text(), []).append(name)
+    return [f"| {text} | {', '.join(f'`{name}`' for name in sorted(names))} |" for text, names in sorted(fields.items())]
+
+
+@functools.cache
+def _cpu_config() -> GSPOConfig:
+    return GSPOConfig(**CPU)
+
+
+def test_the_docs_table_of_valid_values_is_the_codes():
+    from pathlib import Path
+
+    page = (Path(__file__).resolve().parents[1] / "docs" / "own_task.md").read_text()
+    table = page.split("<!-- ranges:start -->")[1].split("<!-- ranges:end -->")[0].strip().splitlines()
+    assert table[2:] == range_rows(), "\n".join(range_rows())
+
+
+@pytest.mark.parametrize("field_name", ["max_steps", "num_train_epochs", "learning_rate", "temperature", "top_p",
+                                        "adam_beta2", "vllm_gpu_memory_utilization", "num_generations"])
+@given(value=st.one_of(st.floats(allow_nan=True, allow_infinity=True), st.integers(-10**6, 10**6)))
+def test_a_number_outside_its_range_is_refused_naming_the_field(field_name, value):
+    """Any value: accepted by the range check exactly when `NUMBER_RANGES` holds it; refused naming the field and a
+    fix otherwise (by both configs, before TRL's own checks)."""
+    from trl_gspo.config import NUMBER_RANGES, _check_types
+
+    valid = NUMBER_RANGES[field_name]
+    args = copy.copy(_cpu_config())
+    object.__setattr__(args, field_name, value)
+    if valid.holds(value):
+        _check_types(args)
+        assert value in valid.also or (value == value and abs(value) != float("inf"))
+    else:
+        with pytest.raises(ValueError, match=rf"^`{field_name}` must be .*, got .*\. Fix: e\.g\. {field_name}="):
+            _check_types(args)

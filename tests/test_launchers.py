@@ -64,7 +64,9 @@ def test_fsdp_without_an_accelerator_is_refused_before_launch(tmp_path, capsys, 
     assert err.startswith("trl-gspo: error: `accelerate_config`: FSDP needs a GPU") and "cpu_ddp.yaml" in err
     assert launched == [] and not (tmp_path / "out").exists()
     # A dry run (which validates GPU recipes on any machine) passes and says that launching here would be refused.
-    assert main(["--config", _recipe(tmp_path, use_cpu="false"), *launcher, "--dry_run", "true"]) == 0
+    # (in the recipe's precision: float32, where TRL's fsdp configs train bf16, a refusal of its own)
+    assert main(["--config", _recipe(tmp_path, use_cpu="false"), *launcher, "--mixed_precision", "no",
+                 "--dry_run", "true"]) == 0
     assert "launching here would be refused" in capsys.readouterr().out
 
 
@@ -72,7 +74,12 @@ def test_fsdp_with_an_accelerator_is_launched_unless_the_recipe_asks_for_cpu(tmp
     monkeypatch.setattr(trl_gspo.launch.checks, "has_accelerator", lambda: True)
     assert main(["--config", _recipe(tmp_path, use_cpu="true"), "--accelerate_config", "fsdp2"]) == 2
     assert "the recipe sets `use_cpu: true`" in capsys.readouterr().err
-    assert main(["--config", _recipe(tmp_path, use_cpu="false"), "--accelerate_config", "fsdp2"]) == 0
+    # TRL's fsdp2 config trains in bf16 mixed precision, and this recipe in float32: refused, then launched with the
+    # launcher's precision set to the recipe's on the command line
+    assert main(["--config", _recipe(tmp_path, use_cpu="false"), "--accelerate_config", "fsdp2"]) == 2
+    assert "sets bf16: false" in capsys.readouterr().err
+    assert main(["--config", _recipe(tmp_path, use_cpu="false"), "--accelerate_config", "fsdp2",
+                 "--mixed_precision", "no"]) == 0
     (command,) = launched
     assert command[command.index("--config_file") + 1].endswith("fsdp2.yaml") and "trl_gspo.launch.train" in command
 

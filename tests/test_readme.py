@@ -107,8 +107,8 @@ def test_every_readme_line_that_needs_the_hub_says_so():
         lines = block.splitlines()
         for i, line in enumerate(lines):
             recipe = re.search(r"--config (recipes/\S+\.yaml)", line)
-            if not recipe or line.lstrip().startswith("#"):
-                continue
+            if not recipe or line.lstrip().startswith("#") or "--dry_run true" in line:
+                continue  # a dry run passes offline, listing what it could not check (tests/test_dry_run_offline.py)
             settings = yaml.safe_load((ROOT / recipe.group(1)).read_text())
             names = [settings.get("model_name_or_path") or "", settings.get("dataset_name") or ""]
             if all(name.startswith("builtin:") for name in names):
@@ -116,7 +116,7 @@ def test_every_readme_line_that_needs_the_hub_says_so():
             checked += 1
             said = line + (lines[i - 1] if i and lines[i - 1].lstrip().startswith("#") else "")
             assert "needs" in said and "the Hub" in said, f"README: {line.strip()!r} needs the Hub and does not say so"
-    assert checked >= 3
+    assert checked >= 2
     example = re.search(r"```python\n(.*?)```", text, flags=re.S).group(1)
     if re.search(r'model="[\w.-]+/[\w.-]+"', example):
         assert "hub" in example.splitlines()[0].lower(), example.splitlines()[0]

@@ -3,6 +3,7 @@
 is a dry run in this process (a fraction of a second each)."""
 
 import json
+import re
 import textwrap
 
 import pytest
@@ -72,9 +73,20 @@ def test_the_output_dir_is_not_created_by_a_dry_run(tmp_path, capsys, no_model):
     assert not (tmp_path / "a").exists()
 
 
+def _refused_at_launch_listed_by_a_dry_run(capsys, recipe, key, name):
+    """Without the Hub (the test environment is offline), a run is refused before launch; a dry run passes and lists
+    what it could not check (tests/test_dry_run_offline.py runs every shipped recipe so)."""
+    assert main([recipe]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith(f"trl-gspo: error: `{key}`: '{name}' is neither a local path") and "Fix:" in err, err
+    assert main([recipe, "--dry_run", "true"]) == 0
+    block = capsys.readouterr().out.split("not checked on this machine (the Hub: offline mode is on")[1]
+    assert re.search(rf"\n  {key} +{name}: that it exists", block), block
+
+
 def test_a_dataset_that_is_neither_local_nor_reachable(tmp_path, capsys, no_model):
     recipe = _recipe(tmp_path, replace=[("builtin:addition", "trl-gspo-tests/no-such-dataset")])
-    _refused(capsys, [recipe], "`dataset_name`", "'trl-gspo-tests/no-such-dataset' is neither a local path")
+    _refused_at_launch_listed_by_a_dry_run(capsys, recipe, "dataset_name", "trl-gspo-tests/no-such-dataset")
 
 
 def _closed_port() -> int:
@@ -112,12 +124,13 @@ runpy.run_module("trl_gspo.launch.cli", run_name="__main__", alter_sys=True)
 """
 
 
-def test_an_unreachable_hub_fails_the_readme_dry_run_in_seconds(tmp_path):
+def test_an_unreachable_hub_costs_the_readme_dry_run_one_probe(tmp_path):
     """The README's dry run of the flagship recipe, with HF_HUB_OFFLINE unset and the Hub unreachable (HF_ENDPOINT
     at a closed local port, so on any machine): one connection attempt, then the cache only, instead of five retries
-    with backoff per request (about 30 s, of which 23 s sleeping). A subprocess: the offline switches are read at
-    import. What made it slow is counted, not timed (a busy machine stretches the imports, not the retries): the
-    run's connection attempts to the Hub and the seconds it slept."""
+    with backoff per request (about 30 s, of which 23 s sleeping); it passes, listing the hub model and dataset it
+    could not check. A subprocess: the offline switches are read at import. What made it slow is counted, not timed
+    (a busy machine stretches the imports, not the retries): the run's connection attempts to the Hub and the
+    seconds it slept."""
     import json
     import os
     import subprocess
@@ -136,16 +149,35 @@ def test_an_unreachable_hub_fails_the_readme_dry_run_in_seconds(tmp_path):
     result = subprocess.run([sys.executable, "-c", _COUNTING_CLI, str(record), str(port), "--config",
                              "recipes/qwen3_30b_a3b/gspo.yaml", "--dry_run", "true"], cwd=root, env=env,
                             capture_output=True, text=True, timeout=120)
-    assert result.returncode == 2, result.stderr[-2000:]
-    err = result.stderr.strip().splitlines()[-1]
-    assert err.startswith("trl-gspo: error: `dataset_name`: 'trl-lib/DeepMath-103K' is neither a local path nor a "
-                          "cached dataset, and the Hub cannot be reached from here (127.0.0.1:"), err
-    assert "Connection refused" in err and "Fix: check the network" in err
+    assert result.returncode == 0, result.stderr[-2000:]
+    block = result.stdout.split("not checked on this machine (the Hub: it cannot be reached, 127.0.0.1:")[1]
+    assert block.splitlines()[0].endswith("Connection refused); the run checks them when it starts:"), block
+    for line in ("  model_name_or_path  Qwen/Qwen3-30B-A3B-Base: that it exists",
+                 "  dataset_name        trl-lib/DeepMath-103K: that it exists"):
+        assert line in block, block
     assert "Retrying" not in result.stderr and "Retrying" not in result.stdout
     # one probe, then the cache only; without the probe: 8 attempts and 23 s of backoff asked of time.sleep
     did = json.loads(record.read_text())
     assert len(did["connects"]) == 1 and did["slept"] < 1, did
     assert not os.path.exists(tmp_path / "hf" / "datasets" / "trl-lib___deep_math-103_k")
+
+
+def test_an_unreachable_hub_refuses_a_run(tmp_path, capsys, monkeypatch, no_model):
+    """With the Hub unreachable (HF_HUB_OFFLINE unset), a run is refused before launch, naming the network; a dry run
+    lists the dataset instead (the subprocess test above, for the README's recipe)."""
+    import datasets
+    from huggingface_hub import constants
+
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
+    monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", False)
+    monkeypatch.setattr("trl_gspo.launch.checks.hub_unreachable_once", lambda endpoint: "127.0.0.1:9: refused")
+    recipe = _recipe(tmp_path, replace=[("builtin:addition", "trl-gspo-tests/no-such-dataset")])
+    assert main([recipe]) == 2
+    err = capsys.readouterr().err
+    assert ("`dataset_name`: 'trl-gspo-tests/no-such-dataset' is neither a local path nor a cached dataset, and the "
+            "Hub cannot be reached from here (127.0.0.1:9: refused). Fix: check the network") in err, err
+    assert main([recipe, "--dry_run", "true"]) == 0
+    assert "(the Hub: it cannot be reached, 127.0.0.1:9: refused)" in capsys.readouterr().out
 
 
 def test_the_hub_probe_answers_within_its_timeout(monkeypatch):
@@ -199,7 +231,7 @@ def test_the_hub_probe_answers_within_its_timeout(monkeypatch):
 def test_a_dataset_mixture_entry_that_is_not_reachable(tmp_path, capsys, no_model):
     recipe = _recipe(tmp_path, replace=[("dataset_name: builtin:addition\n", "")],
                      extra="datasets:\n  - path: trl-gspo-tests/no-such-dataset\n")
-    _refused(capsys, [recipe], "`datasets`", "no-such-dataset")
+    _refused_at_launch_listed_by_a_dry_run(capsys, recipe, "datasets", "trl-gspo-tests/no-such-dataset")
 
 
 def test_dataset_name_and_datasets_together(tmp_path, capsys, no_model):
@@ -211,8 +243,8 @@ def test_the_launched_entry_point_reports_a_bad_recipe_in_one_line(tmp_path, cap
     from trl_gspo.launch.train import main as train_main
 
     assert train_main([_recipe(tmp_path), "--num_generations", "0"]) == 2
-    assert capsys.readouterr().err.strip() == ("trl-gspo: error: `num_generations` must be at least 2, got 0. Fix: "
-                                               "set it to 2 or more.")
+    assert capsys.readouterr().err.strip() == ("trl-gspo: error: `num_generations` must be >= 2, got 0. Fix: "
+                                               "e.g. num_generations=8.")
 
 
 def test_a_dotted_reward_that_is_not_callable(tmp_path, capsys, no_model):
@@ -238,7 +270,7 @@ def test_trl_reward_factories_need_arguments(tmp_path, capsys, no_model):
                                                ("num_iterations", 0, 1),
                                                ("max_completion_length", 0, 1)])
 def test_impossible_sizes(tmp_path, capsys, no_model, key, value, minimum):
-    _refused(capsys, [_recipe(tmp_path), f"--{key}", str(value)], f"`{key}` must be at least {minimum}, got {value}")
+    _refused(capsys, [_recipe(tmp_path), f"--{key}", str(value)], f"`{key}` must be >= {minimum}, got {value}")
 
 
 @pytest.mark.parametrize("key,value", [("learning_rate", "-1e-3"), ("temperature", "0")])
@@ -252,9 +284,13 @@ def test_a_value_argparse_cannot_read_is_one_line(tmp_path, capsys, no_model, ar
     _refused(capsys, [_recipe(tmp_path), *argv], f"argument {argv[0]}", needle)
 
 
-def test_nothing_to_train(tmp_path, capsys, no_model):
-    _refused(capsys, [_recipe(tmp_path), "--max_steps", "0", "--num_train_epochs", "0"], "`max_steps`",
-             "`num_train_epochs`")
+@pytest.mark.parametrize("argv,needle", [
+    (["--max_steps", "0", "--num_train_epochs", "0"], "`max_steps` must be -1 or >= 1, got 0"),
+    (["--max_steps", "-5"], "`max_steps` must be -1 or >= 1, got -5"),  # transformers would train by epochs
+    (["--num_train_epochs", "0"], "`num_train_epochs` must be > 0, got 0"),
+])
+def test_nothing_to_train(tmp_path, capsys, no_model, argv, needle):
+    _refused(capsys, [_recipe(tmp_path), *argv], needle, "Fix: e.g.")  # in the dry run, before anything loads
 
 
 @pytest.mark.parametrize("broken,where,needle", [

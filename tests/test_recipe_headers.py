@@ -34,10 +34,13 @@ from pathlib import Path
 from urllib.parse import urlparse
 
 import pytest
+import yaml
 from support.recipe_headers import header_commands
 from test_links import anchors
 
 from trl_gspo.launch.checks import check_recipe
+from trl_gspo.launch.effective import Launcher
+from trl_gspo.launch.effective import resolve as resolve_settings
 from trl_gspo.launch.recipe import launch_options, launched_processes, launcher_type, parse_recipe
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -266,12 +269,21 @@ def problems(name: str, path: Path, resolved: Resolved) -> list[str]:
               f"processes x {args.per_device_train_batch_size} x {args.gradient_accumulation_steps})")
     config_file, kind = resolved.config_file, launcher_type(resolved.launch)
     where = f"launcher {kind}, accelerate config {config_file.name if config_file else None}"
+    # The layout and precision the card and the Hardware line claim: what the run does once the launcher applies its
+    # settings (trl_gspo/launch/effective.py), not the recipe's own keys alone.
+    settings = resolve_settings(args, resolved.model, Launcher.from_launch_args(resolved.launch))
+    launcher = settings.launcher
+    where += f" (ZeRO stage {launcher.zero_stage}, offloaded: {', '.join(launcher.offload) or 'nothing'})"
     if "ZeRO-3" in sized:
         offload = "offload" in sized
-        check(f"Sized for: {sized}", config_file is not None
-              and config_file.name == ("zero3_offload.yaml" if offload else "zero3.yaml"), where)
+        check(f"Sized for: {sized}", launcher.zero_stage == 3 and bool(launcher.offload) == offload, where)
     if "FSDP2" in sized:
-        check(f"Sized for: {sized}", config_file is not None and config_file.name == "fsdp2.yaml", where)
+        check(f"Sized for: {sized}", kind == "FSDP" and config_file is not None
+              and yaml.safe_load(config_file.read_text()).get("fsdp_config", {}).get("fsdp_version") == 2, where)
+    trains = "float32" if settings.precision == "no" else settings.precision
+    claimed = " ".join([sized, *(line for line in lines if line.strip().startswith("Hardware:"))])
+    for word in sorted(set(re.findall(r"\b(float32|bf16|fp16)\b(?! weights)", claimed))):
+        check(word, trains == word, f"training in {trains} ({settings.precision_from})")
     if re.search(r"\bno DeepSpeed\b", text):
         check("no DeepSpeed", kind != "DEEPSPEED", where)
     for command in header_commands(path):
@@ -334,3 +346,15 @@ def test_a_wrong_header_is_reported(tmp_path, monkeypatch, fake_accelerator):
                    "use_peft=False", "a date", "a commit id", "'measured'", "number -> number",
                    f"the recipe {name}"]:
         assert needle in found, f"{needle!r} not reported:\n{found}"
+
+
+def test_a_header_precision_the_launcher_overrides_is_reported(tmp_path, monkeypatch, fake_accelerator):
+    """The asynchronous recipe's header says float32; launched with fsdp2.yaml (mixed_precision bf16) it would train
+    bf16 (transformers takes the launcher's precision when bf16 is false): the check reads the launcher, and says so."""
+    recipe = ROOT / "recipes" / "qwen3_30b_a3b" / "async" / "gspo.yaml"
+    name = recipe.relative_to(ROOT).as_posix()
+    copy = tmp_path / "gspo.yaml"
+    copy.write_text(recipe.read_text().replace("../../accelerate/fsdp2_fp32.yaml",
+                                               str(ROOT / "recipes" / "accelerate" / "fsdp2.yaml")))
+    found = problems(name, copy, resolve(copy, monkeypatch, fake_accelerator))
+    assert any("'float32'" in problem and "training in bf16" in problem for problem in found), found

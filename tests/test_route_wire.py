@@ -1,15 +1,20 @@
 """R3's routes as raw bytes from `trl-gspo vllm-serve` (trl_gspo/sampling/route_wire.py): the frame (a safetensors
 file) holds every array exactly, rows shared with the array before are sent once, a frame that is not one is refused
-with a `RouteFrameError` (also under random mutations), and the server middleware frames only the answers of requests
-that ask, leaving every other answer (stock TRL's client) as vLLM wrote it."""
+with a `RouteFrameError` (also any mutation of a valid one that Hypothesis draws: its bytes flipped, overwritten, cut,
+inserted or deleted, its header's length, numbers or fields edited, its tensors changed and saved again), and the
+server middleware frames only the answers of requests that ask, leaving every other answer (stock TRL's client) as
+vLLM wrote it."""
 
 import asyncio
 import json
+import re
 import time
 
 import numpy as np
 import pytest
 import safetensors.numpy
+from hypothesis import HealthCheck, example, given, settings
+from hypothesis import strategies as st
 
 from trl_gspo.sampling import route_wire
 
@@ -130,70 +135,221 @@ def test_a_frame_that_is_not_one_is_refused_naming_what_is_wrong(frame, problem)
         route_wire.Frame.parse(frame)
 
 
-def _mutate(rng, frame: bytes, header_end: int) -> bytes:
-    """`frame` changed at random: bit flips, bytes overwritten, cut, inserted or deleted, in its header or anywhere,
-    its header's length field or one of the header's numbers (a shape, an offset) edited."""
-    data = bytearray(frame)
-    kind = rng.integers(8)
-    where = int(rng.integers(header_end)) if rng.random() < 0.6 else int(rng.integers(len(data)))
-    if kind == 0:
-        data[where] ^= 1 << int(rng.integers(8))
-    elif kind == 1:
-        data[where] = int(rng.integers(256))
-    elif kind == 2:
-        del data[int(rng.integers(len(data))):]
-    elif kind == 3:
-        data[where:where] = rng.integers(0, 256, int(rng.integers(1, 9)), dtype=np.uint8).tobytes()
-    elif kind == 4:
-        del data[where:where + int(rng.integers(1, 9))]
-    elif kind == 5:  # the header's length: off by a little, or any 64-bit value
-        length = int.from_bytes(data[:8], "little")
-        length = length + int(rng.integers(-16, 17)) if rng.random() < 0.5 else int(rng.integers(2**63))
-        data[:8] = max(length, 0).to_bytes(8, "little")
-    elif kind == 6:  # a number in the header's JSON (a shape or a data offset) replaced
-        digits = [i for i in range(8, header_end) if chr(data[i]).isdigit()]
-        i = digits[int(rng.integers(len(digits)))]
-        data[i:i + 1] = str(int(rng.integers(0, 10 ** int(rng.integers(1, 6))))).encode()
-    else:  # several flips at once
-        for _ in range(int(rng.integers(2, 6))):
-            data[int(rng.integers(len(data)))] ^= 1 << int(rng.integers(8))
+# The frame the mutations start from: every array of `_arrays`, each choice naming its own.
+_ANSWER = {"choices": [{"token_ids": [i], "routed_experts": f"#{i}"} for i in range(len(_arrays()))]}
+_FRAME = route_wire.encode_frame(json.dumps(_ANSWER).encode(), _arrays())
+_HEADER_END = 8 + int.from_bytes(_FRAME[:8], "little")
+
+# Hypothesis draws each edit as a tuple, `(kind, ...)`: a failing frame is shown as the edits that made it.
+_PICK = st.integers(0, 2**16)  # an index, taken modulo what there is to pick from
+_AT = st.tuples(st.booleans(), _PICK)  # a byte: in the header (where its structure is), or anywhere
+_TEXT = st.text("#0123456789ab\"\\{} ", max_size=4)  # a few characters, no Unicode tables to build
+_JSON = st.recursive(st.none() | st.booleans() | st.integers() | _TEXT,
+                     lambda inner: st.lists(inner, max_size=3) | st.dictionaries(_TEXT, inner, max_size=3),
+                     max_leaves=6)
+_DTYPE_NAMES = ["BOOL", "U8", "I8", "U16", "I16", "F16", "BF16", "U32", "I32", "F32", "U64", "I64", "F64", "F8_E4M3",
+                "X9"]  # safetensors' names, and one it lacks
+_DTYPES = [np.bool_, np.uint8, np.int8, np.uint16, np.int16, np.float16, np.uint32, np.int32, np.float32, np.uint64,
+           np.int64, np.float64]
+_TENSORS = sorted(safetensors.numpy.load(_FRAME))  # answer, routes.0 .. routes.8, shared
+_TENSOR = st.sampled_from(_TENSORS)
+_NAMES = [*_TENSORS, "routes.9", "routes.-1", "routes.01", "__metadata__", "x"]
+_BYTE_EDITS = st.one_of(  # the bytes as they are: bit flips, bytes overwritten, cut, inserted or deleted
+    st.tuples(st.just("flip"), _AT, st.integers(0, 7)),
+    st.tuples(st.just("byte"), _AT, st.integers(0, 255)),
+    st.tuples(st.just("cut"), _PICK),
+    st.tuples(st.just("insert"), _AT, st.binary(min_size=1, max_size=8)),
+    st.tuples(st.just("delete"), _AT, st.integers(1, 8)),
+    # the header's length field off by a little, or any 64-bit value
+    st.tuples(st.just("length by"), st.integers(-16, 16)),
+    st.tuples(st.just("length"), st.integers(0, 2**64 - 1)),
+    # one of the header's numbers (a shape, an offset) replaced
+    st.tuples(st.just("number"), _PICK, st.integers(-9, 10**20)),
+)
+_HEADER_EDITS = st.one_of(  # a field of the header's JSON, which is then written back well-formed with its length
+    st.tuples(st.just("dtype"), _TENSOR, st.sampled_from(_DTYPE_NAMES)),
+    st.tuples(st.just("shape"), _TENSOR, st.lists(st.integers(0, 9) | st.integers(-1, 2**40), max_size=4)),
+    st.tuples(st.just("data_offsets"), _TENSOR, st.lists(st.integers(0, len(_FRAME)) | st.integers(-1, 2**64),
+                                                         max_size=3)),
+    st.tuples(st.just("rename"), _TENSOR, st.sampled_from(_NAMES)),
+    st.tuples(st.just("drop entry"), _TENSOR),
+    st.tuples(st.just("metadata"), st.dictionaries(_TEXT, _TEXT | st.integers(), max_size=2)),
+)
+_TENSOR_EDITS = st.one_of(  # a tensor changed and the frame saved again: only the route frame's own checks stand
+    st.tuples(st.just("value"), _TENSOR, _PICK, st.sampled_from(["min", "max", 0, 1]) | st.integers(-2**63, 2**64)),
+    st.tuples(st.just("shared count"), _PICK, st.integers(-2, 12)),  # rows an array takes from the one before
+    st.tuples(st.just("astype"), _TENSOR, st.sampled_from(_DTYPES)),
+    st.tuples(st.just("reshape"), _TENSOR, st.sampled_from(["flat", "leading axis", "2-D"])),
+    st.tuples(st.just("rows"), _TENSOR, _PICK),
+    st.tuples(st.just("drop tensor"), _TENSOR),
+    st.tuples(st.just("add tensor"), st.sampled_from(_NAMES[:-2]), st.integers(1, 3)),
+    # another answer: a choice's reference to any array (or anything), choices of any JSON, any JSON, not JSON
+    st.tuples(st.just("reference"), _PICK, st.integers(-1, 12).map(lambda i: f"#{i}") | _TEXT | _JSON),
+    st.tuples(st.just("choices"), _JSON),
+    st.tuples(st.just("answer"), _JSON),
+    st.tuples(st.just("answer bytes"), st.binary(max_size=16)),
+)
+_EDITS = st.lists(_BYTE_EDITS | _HEADER_EDITS | _TENSOR_EDITS, min_size=1, max_size=3)
+_EXAMPLES = 200  # mutated frames a run draws: about a second on two busy cores
+
+
+def _at(data, at) -> int:
+    """The byte `at` picks: in the header or anywhere."""
+    in_header, pick = at
+    return pick % max(min(_HEADER_END, len(data)) if in_header else len(data), 1)
+
+
+def _edit_bytes(data: bytearray, kind, *args) -> None:
+    """`_BYTE_EDITS`' edit of `data`, in place."""
+    if not data:
+        data += args[-1] if kind == "insert" else b""
+    elif kind == "flip":
+        data[_at(data, args[0])] ^= 1 << args[1]
+    elif kind == "byte":
+        data[_at(data, args[0])] = args[1]
+    elif kind == "cut":
+        del data[args[0] % len(data):]
+    elif kind == "insert":
+        at = _at(data, args[0])
+        data[at:at] = args[1]
+    elif kind == "delete":
+        at = _at(data, args[0])
+        del data[at:at + args[1]]
+    elif kind.startswith("length") and len(data) >= 8:
+        length = args[0] if kind == "length" else max(int.from_bytes(data[:8], "little") + args[0], 0)
+        data[:8] = length.to_bytes(8, "little")
+    elif kind == "number":
+        numbers = list(re.finditer(rb"\d+", bytes(data[8:_HEADER_END])))
+        if numbers:
+            number = numbers[args[0] % len(numbers)]
+            data[8 + number.start():8 + number.end()] = str(args[1]).encode()
+
+
+def _edit_header(data: bytearray, kind, *args) -> None:
+    """`_HEADER_EDITS`' edit of `data`, in place."""
+    length = int.from_bytes(data[:8], "little") if len(data) >= 8 else 0
+    try:
+        header = json.loads(bytes(data[8:8 + length]))
+    except ValueError:
+        return  # an edit before broke the header
+    if not isinstance(header, dict):
+        return
+    name = "__metadata__" if kind == "metadata" else args[0]
+    if name not in header and kind != "metadata":
+        return  # an edit before renamed or dropped it
+    if kind in ("dtype", "shape", "data_offsets") and isinstance(header[name], dict):
+        header[name][kind] = args[1]
+    elif kind == "rename":
+        header[args[1]] = header.pop(name)
+    elif kind == "drop entry":
+        del header[name]
+    elif kind == "metadata":
+        header[name] = args[0]
+    text = json.dumps(header).encode()
+    text += b" " * (-len(text) % 8)
+    data[:] = len(text).to_bytes(8, "little") + text + data[8 + length:]
+
+
+def _edit_tensors(data: bytearray, kind, *args) -> None:
+    """`_TENSOR_EDITS`' edit of `data`, in place."""
+    try:
+        tensors = safetensors.numpy.load(bytes(data))
+    except (safetensors.SafetensorError, KeyError, ValueError):
+        return  # an edit before broke the container
+    name = args[0] if kind in ("value", "astype", "reshape", "rows", "drop tensor") else "answer"
+    tensor = tensors.get(name, np.zeros(1, np.uint8))
+    if kind == "value" and tensor.size and tensor.dtype.kind in "iu":
+        low, high = int(np.iinfo(tensor.dtype).min), int(np.iinfo(tensor.dtype).max)
+        value = {"min": low, "max": high}.get(args[2], args[2])
+        flat = tensor.reshape(-1).copy()
+        flat[args[1] % flat.size] = low + (value - low) % (high - low + 1)  # wrapped into the dtype's range
+        tensors[name] = flat.reshape(tensor.shape)
+    elif kind == "shared count" and "shared" in tensors and tensors["shared"].size:
+        shared = tensors["shared"].copy()
+        shared[args[0] % shared.size] = args[1]
+        tensors["shared"] = shared
+    elif kind == "astype":
+        with np.errstate(over="ignore", invalid="ignore"):  # values the new dtype cannot hold: whatever numpy makes
+            tensors[name] = tensor.astype(args[1])
+    elif kind == "reshape":
+        tensors[name] = (tensor.reshape(-1) if args[1] == "flat" else tensor[None] if args[1] == "leading axis" or
+                         not tensor.ndim else tensor.reshape(len(tensor), int(np.prod(tensor.shape[1:]))))
+    elif kind == "rows" and tensor.ndim:
+        tensors[name] = tensor[:args[1] % max(len(tensor), 1)]
+    elif kind == "drop tensor":
+        tensors.pop(name, None)
+    elif kind == "add tensor":
+        tensors[args[0]] = np.full((args[1], 1, 1), 255, np.uint8)
+    elif kind in ("reference", "choices", "answer", "answer bytes"):
+        answer = json.loads(json.dumps(_ANSWER))
+        if kind == "reference":
+            answer["choices"][args[0] % len(answer["choices"])]["routed_experts"] = args[1]
+        elif kind == "choices":
+            answer["choices"] = args[0]
+        elif kind == "answer":
+            answer = args[0]
+        raw = args[0] if kind == "answer bytes" else json.dumps(answer).encode()
+        tensors["answer"] = np.frombuffer(raw, np.uint8)
+    data[:] = safetensors.numpy.save(tensors)
+
+
+_EDITORS = {**dict.fromkeys(["flip", "byte", "cut", "insert", "delete", "length by", "length", "number"], _edit_bytes),
+            **dict.fromkeys(["dtype", "shape", "data_offsets", "rename", "drop entry", "metadata"], _edit_header),
+            **dict.fromkeys(["value", "shared count", "astype", "reshape", "rows", "drop tensor", "add tensor",
+                             "reference", "choices", "answer", "answer bytes"], _edit_tensors)}
+
+
+def _mutated(edits) -> bytes:
+    """The frame after `edits`, one after the other."""
+    data = bytearray(_FRAME)
+    for kind, *args in edits:
+        _EDITORS[kind](data, kind, *args)
     return bytes(data)
 
 
 def test_a_mutated_frame_is_refused_with_a_route_frame_error_or_read_as_valid_routes():
-    """1,200 seeded mutations of a valid frame: each is refused with a `RouteFrameError`, or read as routes R3 can use
-    (integer indices `[rows, layers, top_k]`, none negative, the last row `no_route`, every reference resolved);
-    no other exception, and no mutation takes long (a hang would)."""
-    from trl_gspo.sampling.server import FramedRoute, framed_completions_answer
+    """A valid frame after one to three random edits (`_EDITS`: of its bytes, its header's fields, or its tensors,
+    saved again by safetensors), drawn by Hypothesis, which shrinks a failing one: each is refused with a
+    `RouteFrameError`, or read as routes R3 can use (integer indices `[rows, layers, top_k]`, none negative, the last
+    row `no_route`, every reference resolved); no other exception, and no mutation takes long (a hang would). Both
+    outcomes are drawn often. A reference is resolved as the trainer's `FramedRoute.array` does (`Frame.array`)."""
+    outcomes, slowest = {"refused": 0, "read": 0}, [0.0]
 
-    arrays = _arrays()
-    answer = {"choices": [{"token_ids": [i], "routed_experts": f"#{i}"} for i in range(len(arrays))]}
-    frame = route_wire.encode_frame(json.dumps(answer).encode(), arrays)
-    header_end = 8 + int.from_bytes(frame[:8], "little")
-    rng = np.random.default_rng(20261128)
-    outcomes, slowest = {"refused": 0, "read": 0}, 0.0
-    for _ in range(1200):
-        mutated = _mutate(rng, frame, header_end)
+    @settings(max_examples=_EXAMPLES, suppress_health_check=[HealthCheck.too_slow])
+    @given(_EDITS)
+    @example([("metadata", {"a": "b"})])  # still a valid frame
+    @example([("astype", "routes.7", np.float32)])  # shared with no other array
+    @example([("value", "routes.8", 0, 5)])  # array 8 is empty: its one row is the no_route row
+    @example([("value", "routes.7", 3, -3)])  # int32: a negative expert
+    @example([("shared count", 0, 1)])  # the first array has none before it
+    @example([("shared count", 3, 12)])  # more rows than the array before holds
+    @example([("reference", 0, "#9")])  # 9 arrays: #0 .. #8
+    def mutated(edits):
+        frame = _mutated(edits)
         start = time.perf_counter()
         try:
-            parsed = route_wire.Frame.parse(mutated)
+            parsed = route_wire.Frame.parse(frame)
         except route_wire.RouteFrameError as error:
             assert str(error).startswith("route frame: ")
             outcomes["refused"] += 1
-            continue
+            return
         finally:
-            slowest = max(slowest, time.perf_counter() - start)
+            slowest[0] = max(slowest[0], time.perf_counter() - start)
         outcomes["read"] += 1
         for i, entry in enumerate(parsed.index):
             routes = parsed.rows(i, 0, entry["shape"][0])
             assert np.issubdtype(routes.dtype, np.integer) and list(routes.shape) == entry["shape"]
             assert routes.ndim == 3 and 0 not in routes.shape and routes.min() >= 0
             assert (routes[-1] == np.iinfo(routes.dtype).max).all()
-        for choice in framed_completions_answer(parsed)["choices"]:
-            if isinstance(choice.get("routed_experts"), FramedRoute):
-                choice["routed_experts"].array()
-    assert outcomes["refused"] > 600 and outcomes["read"] > 20, outcomes  # both outcomes exercised
-    assert slowest < 1.0, slowest
+        for choice in parsed.answer["choices"]:
+            index = route_wire.reference_index(choice.get("routed_experts"))
+            if index is not None:
+                parsed.array(index)  # the routes a choice names, as the trainer reads them
+
+    mutated()
+    total = outcomes["refused"] + outcomes["read"]
+    assert outcomes["refused"] > total // 3 and outcomes["read"] > total // 50, outcomes  # both outcomes exercised
+    assert slowest[0] < 1.0, slowest
 
 
 def test_shared_rows_is_the_longest_common_prefix():

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import numbers
 import re
@@ -88,13 +89,13 @@ PAPER_MINI_BATCHES_PER_ROLLOUT = 4
 CLIP_BAND_HELP = (
     "GSPO's clip band. 'fixed': epsilon / epsilon_high throughout (unset: the paper's 3e-4 / 4e-4). 'adaptive' "
     "(opt-in): starts there and moves after every optimizer step toward clipping clip_band_target of the tokens that "
-    "can be clipped (non-zero advantage), within [clip_band_min, clip_band_max] and above the sampler's measured "
-    "noise (docs/gspo.md#a-clip-band-set-by-the-run). TRL's loss types: 'fixed', the only value they take.")
+    "can be clipped (those of groups whose rewards differ), within [clip_band_min, clip_band_max] and above the "
+    "sampler's measured noise (docs/gspo.md#a-clip-band-set-by-the-run). TRL's loss types: 'fixed', the only value they take.")
 CLIP_BAND_FIELDS = {
     "clip_band": dict(default="fixed", metadata={"help": CLIP_BAND_HELP}),
     "clip_band_target": dict(default=0.15, metadata={
-        "help": "With clip_band='adaptive': the share of tokens with a non-zero advantage the band aims to clip (the "
-        "GSPO paper reports ~15% of tokens clipped with its band on Qwen3-30B-A3B)."}),
+        "help": "With clip_band='adaptive': the share of tokens of groups whose rewards differ the band aims to "
+        "clip (the GSPO paper reports ~15% of tokens clipped with its band on Qwen3-30B-A3B)."}),
     "clip_band_min": dict(default=1e-5, metadata={
         "help": "With clip_band='adaptive': the narrowest epsilon the band may reach."}),
     "clip_band_max": dict(default=0.2, metadata={
@@ -103,6 +104,22 @@ CLIP_BAND_FIELDS = {
 }
 
 
+def recording_given_fields(config_class):
+    """Wrap a config dataclass's `__init__` to keep the names of the fields passed (`given_fields`), so that a
+    refusal can name the option the user set, even one set to its default (`num_generations=8`). HfArgumentParser
+    (recipes, command lines) passes every field: there all count as given."""
+    init = config_class.__init__
+
+    @functools.wraps(init)
+    def __init__(self, *args, **kwargs):
+        self.given_fields = frozenset(kwargs)
+        init(self, *args, **kwargs)
+
+    config_class.__init__ = __init__
+    return config_class
+
+
+@recording_given_fields
 @dataclass
 class GSPOConfig(GRPOConfig):
     """Configuration for `GSPOTrainer`: every `trl.GRPOConfig` field, plus GSPO's loss types and presets.
@@ -146,7 +163,7 @@ class GSPOConfig(GRPOConfig):
         clip_band (`str`, defaults to `"fixed"`):
             `"fixed"`: the paper's band (or `epsilon` / `epsilon_high` as set) throughout. `"adaptive"` (opt-in): the
             band starts at `epsilon` / `epsilon_high` and moves after every optimizer step toward clipping
-            `clip_band_target` (0.15) of the tokens with a non-zero advantage, within `[clip_band_min,
+            `clip_band_target` (0.15) of the tokens of groups whose rewards differ, within `[clip_band_min,
             clip_band_max]` (1e-5, 0.2) and above the sampler's measured noise, the same on every rank and saved with
             checkpoints (docs/gspo.md#a-clip-band-set-by-the-run).
     """
@@ -307,9 +324,61 @@ _FIELD_TYPES = {"loss_type": (str, "a string", "'gspo'"), "importance_sampling_l
                 "max_staleness": (numbers.Integral, "an integer", "4")}
 
 
-# Sizes below these train nothing or fail deep inside TRL (`num_generations=0`: ZeroDivisionError in its config).
-_MINIMUM_SIZES = {"per_device_train_batch_size": 1, "gradient_accumulation_steps": 1, "num_generations": 2,
-                  "steps_per_generation": 1, "generation_batch_size": 1, "num_iterations": 1, "max_completion_length": 1}
+@dataclass(frozen=True)
+class Range:
+    """The values a numeric option may take: above `low` (`low_open`: strictly), below `high` (likewise), or one of
+    `also` (a sentinel such as max_steps' -1). Infinite and NaN values are outside every range."""
+
+    low: float | None = None
+    high: float | None = None
+    low_open: bool = False
+    high_open: bool = False
+    also: tuple = ()
+    example: str = ""
+
+    def holds(self, value) -> bool:
+        if value in self.also:
+            return True
+        if not math.isfinite(value):
+            return False
+        above = self.low is None or (value > self.low if self.low_open else value >= self.low)
+        below = self.high is None or (value < self.high if self.high_open else value <= self.high)
+        return above and below
+
+    def text(self) -> str:
+        """"> 0", ">= 1", "in (0, 1]", "-1 or >= 1"."""
+        if self.low is not None and self.high is not None:
+            interval = (f"in {'(' if self.low_open else '['}{self.low:g}, {self.high:g}"
+                        f"{')' if self.high_open else ']'}")
+        else:
+            interval = f"{'>' if self.low_open else '>='} {self.low:g}"
+        return " or ".join([*(f"{value:g}" for value in self.also), interval])
+
+
+# Every number a user sets, and its valid values: checked before TRL's `__post_init__` (a size of 0 is a
+# ZeroDivisionError there) and before any model loads; values transformers would silently reinterpret (max_steps -5
+# trains by epochs) are refused too. docs/own_task.md's table of ranges is this table (tests/test_config.py).
+NUMBER_RANGES = {
+    "per_device_train_batch_size": Range(1, example="8"), "per_device_eval_batch_size": Range(1, example="8"),
+    "gradient_accumulation_steps": Range(1, example="1"), "num_generations": Range(2, example="8"),
+    "num_generations_eval": Range(2, example="8"), "steps_per_generation": Range(1, example="4"),
+    "generation_batch_size": Range(1, example="64"), "num_iterations": Range(1, example="1"),
+    "max_completion_length": Range(1, example="512"),
+    "max_steps": Range(1, also=(-1,), example="1000, or -1 to train num_train_epochs"),
+    "num_train_epochs": Range(0, low_open=True, example="1"),
+    "learning_rate": Range(0, example="1e-6"), "warmup_steps": Range(0, example="0"),
+    "weight_decay": Range(0, example="0.0"), "max_grad_norm": Range(0, example="1.0 (0 turns clipping off)"),
+    "adam_beta1": Range(0, 1, high_open=True, example="0.9"), "adam_beta2": Range(0, 1, high_open=True, example="0.999"),
+    "adam_epsilon": Range(0, low_open=True, example="1e-8"),
+    "temperature": Range(0, low_open=True, example="1.0 (completions are sampled)"),
+    "top_p": Range(0, 1, low_open=True, example="1.0"), "top_k": Range(0, example="0 (off)"),
+    "min_p": Range(0, 1, example="0.0"), "repetition_penalty": Range(0, low_open=True, example="1.0"),
+    "logging_steps": Range(0, low_open=True, example="10"), "save_steps": Range(0, low_open=True, example="500"),
+    "eval_steps": Range(0, low_open=True, example="500"), "seed": Range(0, example="42"),
+    "dataloader_num_workers": Range(0, example="0"),
+    "vllm_gpu_memory_utilization": Range(0, 1, low_open=True, example="0.3"),
+    "vllm_tensor_parallel_size": Range(1, example="1"),
+}
 
 
 def _check_types(args) -> None:
@@ -318,10 +387,10 @@ def _check_types(args) -> None:
         if value is not None and (not isinstance(value, expected) or (isinstance(value, bool) and expected is not bool)):
             raise TypeError(f"`{name}` must be {kind}, got {value!r} ({type(value).__name__}). Fix: pass {kind}, "
                             f"e.g. {name}={example}.")
-    for name, minimum in _MINIMUM_SIZES.items():
+    for name, valid in NUMBER_RANGES.items():
         value = getattr(args, name, None)
-        if isinstance(value, numbers.Real) and value < minimum:
-            raise ValueError(f"`{name}` must be at least {minimum}, got {value}. Fix: set it to {minimum} or more.")
+        if isinstance(value, numbers.Real) and not isinstance(value, bool) and not valid.holds(value):
+            raise ValueError(f"`{name}` must be {valid.text()}, got {value}. Fix: e.g. {name}={valid.example}.")
 
 
 class BF16DeviceError(ValueError):
@@ -337,8 +406,15 @@ def parent_errors_as_ours(args):
     (TRL's default when unset and `fp16` is not set) or `bf16_full_eval` meets a machine without a bfloat16 device and
     `use_cpu` is not set. Shared by `GSPOConfig` and `AsyncGSPOConfig`."""
     bf16_given = args.bf16  # None (unset) until TRL's __post_init__ resolves it
+    shape = BatchShape.given(args, processes=1)  # as given: TRL's __post_init__ derives the rest
     try:
         yield
+        if args.use_cpu and (args.bf16 or args.fp16):  # transformers allows it and says nothing
+            half = "bf16" if args.bf16 else "fp16"
+            given = (f"{half}=True" if bf16_given or args.fp16 else
+                     "bf16 unset (TRL's configs then default it to True)")
+            logger.warning_once(f"use_cpu=True with {given}: training runs in {half} autocast on the CPU, not in "
+                                f"float32. For float32 on a CPU set {half}=False (command line: `--{half} false`).")
     except ValueError as err:
         if "bf16/gpu" in str(err):
             option = "bf16" if args.bf16 else "bf16_full_eval"
@@ -353,7 +429,8 @@ def parent_errors_as_ours(args):
             fp16, bf16 = ("fp16_full_eval", "bf16_full_eval") if full_eval else ("fp16", "bf16")
             raise _error(bf16, f"{bf16}=True and {fp16}=True ask for two mixed precisions at once.",
                          "set one of them to False.") from err
-        batch_error = _batch_shape_error(args, str(err))
+        processes = max(getattr(args, "world_size", 1) or 1, 1)  # known once transformers set up the devices
+        batch_error = _batch_shape_error(args, str(err), dataclasses.replace(shape, processes=processes))
         if batch_error is not None:
             raise batch_error from err
         # transformers' enumerated fields (lr_scheduler_type, save_strategy, optim, ...): name the field and the
@@ -376,28 +453,104 @@ def _nearest_multiples(step: int, target: int) -> str:
     return " or ".join(map(str, _nearest([step * k for k in range(1, target // step + 3)], target)))
 
 
-def _batch_shape_error(args, message: str) -> ValueError | None:
+@dataclasses.dataclass(frozen=True)
+class BatchShape:
+    """The batch options as the user gave them, before TRL derives the rest (`steps` may be GSPOConfig's preset,
+    `steps_preset`). `valid` is TRL's rule for a rollout batch (GRPOConfig.__post_init__): the generation batch holds
+    whole optimizer micro-batches (per_device x processes) and whole groups of num_generations completions."""
+
+    per_device: int
+    processes: int
+    num_generations: int
+    generation_batch: int | None
+    steps: int | None
+    accumulation: int = 1
+    steps_preset: bool = False
+
+    @classmethod
+    def given(cls, args, processes: int | None = None) -> BatchShape:
+        processes = processes or max(getattr(args, "world_size", 1) or 1, 1)
+        return cls(args.per_device_train_batch_size, processes, getattr(args, "num_generations", None),
+                   getattr(args, "generation_batch_size", None), getattr(args, "steps_per_generation", None),
+                   args.gradient_accumulation_steps, "steps_per_generation" in getattr(args, "paper_presets", {}))
+
+    def rollout_batch(self) -> int | None:
+        """The generation batch TRL derives, or None where TRL refuses the options before deriving one."""
+        micro = self.per_device * self.processes
+        if self.generation_batch is None:
+            return micro * (self.accumulation if self.steps is None else self.steps)
+        if self.steps is not None and not self.steps_preset:
+            return None  # both set
+        return self.generation_batch if self.generation_batch % micro == 0 else None
+
+    def valid(self) -> bool:
+        batch = self.rollout_batch()
+        return self.num_generations >= 2 and batch is not None and batch % self.num_generations == 0
+
+    def fixes(self) -> dict[str, list[int]]:
+        """For each option that can fix the shape alone, its two values nearest the given one that do (each
+        checked with `valid`)."""
+        found: dict[str, list[int]] = {}
+
+        def nearest(option: str, current: int, candidates) -> None:
+            valid = [value for value in candidates if dataclasses.replace(self, **{option: value}).valid()]
+            if valid:
+                found[option] = _nearest(valid, current)
+
+        nearest("num_generations", self.num_generations, range(2, 4 * self.num_generations + 65))
+        nearest("per_device", self.per_device, range(1, 4 * self.per_device + 65))
+        if self.steps is None or self.steps_preset:  # a generation batch may replace only TRL's or GSPO's default
+            micro = self.per_device * self.processes
+            step = micro * self.num_generations // math.gcd(micro, self.num_generations)
+            current = self.generation_batch or self.rollout_batch() or step
+            nearest("generation_batch", current, [step * k for k in range(1, current // step + 3)])
+        if self.generation_batch is None:
+            nearest("steps", self.steps or self.accumulation, range(1, 4 * (self.steps or self.accumulation) + 65))
+        return found
+
+
+_BATCH_OPTIONS = {"num_generations": "num_generations", "per_device": "per_device_train_batch_size",
+                  "generation_batch": "generation_batch_size", "steps": "steps_per_generation"}
+
+
+def _batch_shape_error(args, message: str, shape: BatchShape | None = None) -> ValueError | None:
     """TRL's batch-shape refusals, which name derived sizes the user never set ("generation_batch_size (128) must be
-    divisible by num_generations (7)"), as ours: the option the user set, the sizes behind the derived one, and the
-    nearest values that work. None for any other message."""
-    world = max(getattr(args, "world_size", 1) or 1, 1)
-    per_device, steps = args.per_device_train_batch_size, getattr(args, "steps_per_generation", None)
+    divisible by num_generations (7)"), as ours: the option the user set, the sizes behind the derived one, and for
+    each option that can fix it alone the nearest values that do (`BatchShape.fixes`, each one checked by TRL's
+    rule). `shape`: the options as given, before TRL's `__post_init__` derived the rest. None for any other message."""
+    shape = shape or BatchShape.given(args)
+    world, per_device = shape.processes, shape.per_device
     groups = re.fullmatch(r"generation_batch_size \((\d+)\) must be divisible by num_generations \((\d+)\)\.",
                           message)
-    if groups:
-        batch, size = int(groups.group(1)), int(groups.group(2))
-        sizes = (f"per_device_train_batch_size {per_device} x {world} process(es) x steps_per_generation {steps}"
-                 if args.generation_batch_size == per_device * world * (steps or 0) else "generation_batch_size")
-        divisors = [d for d in range(2, batch + 1) if batch % d == 0]
-        step = size // math.gcd(size, world * (steps or 1))  # per_device_train_batch_size must be a multiple of it
-        problem = (f"num_generations {size} does not divide the rollout batch of {batch} completions ({sizes}): "
-                   "each prompt's group must fall whole in one rollout batch.")
-        by_groups = f"num_generations={' or '.join(map(str, _nearest(divisors, size)))}"
-        by_batch = f"per_device_train_batch_size={_nearest_multiples(step, per_device)}"
-        default = next(f.default for f in dataclasses.fields(args) if f.name == "num_generations")
-        if size != default:  # the user set num_generations
-            return _error("num_generations", problem, f"{by_groups}, or keep {size} and set {by_batch}.")
-        return _error("per_device_train_batch_size", problem, f"{by_batch}, or {by_groups}.")
+    global_batch = re.fullmatch(r"generation_batch_size \((\d+)\) must be divisible by the global batch size "
+                                r"\((\d+)\)\.", message)
+    if groups or global_batch:
+        fixes = [f"{_BATCH_OPTIONS[option]}={' or '.join(map(str, values))}"
+                 for option, values in shape.fixes().items()]
+        if shape.steps is not None and not shape.steps_preset and shape.generation_batch is None:
+            sizes = f"per_device_train_batch_size {per_device} x {world} process(es) x steps_per_generation {shape.steps}"
+        elif shape.generation_batch is None:
+            sizes = (f"per_device_train_batch_size {per_device} x {world} process(es) x steps_per_generation "
+                     f"{shape.steps}, GSPOConfig's 4 x gradient_accumulation_steps" if shape.steps_preset else
+                     f"per_device_train_batch_size {per_device} x {world} process(es) x gradient_accumulation_steps "
+                     f"{shape.accumulation}")
+        else:
+            sizes = "generation_batch_size"
+        if groups:
+            batch, size = int(groups.group(1)), int(groups.group(2))
+            problem = (f"num_generations {size} does not divide the rollout batch of {batch} completions ({sizes}): "
+                       "each prompt's group must fall whole in one rollout batch.")
+            explicit = "num_generations" in getattr(args, "given_fields", ())
+            option = "num_generations" if explicit else (
+                "generation_batch_size" if shape.generation_batch is not None else "per_device_train_batch_size")
+        else:
+            batch, step = map(int, global_batch.groups())
+            problem = (f"{batch} is not a whole number of optimizer micro-batches (per_device_train_batch_size "
+                       f"{per_device} x {world} process(es) = {step}).")
+            option = "generation_batch_size"
+        fixes.sort(key=lambda fix: not fix.startswith(option + "="))  # the option named first
+        return _error(option, problem, ("set " + ", or ".join(fixes) + " (each alone)." if fixes else
+                                        "change num_generations and the batch sizes together."))
     evaluation = re.fullmatch(r"The global eval batch size \((\d+) \* (\d+)\) must be divisible by the number of "
                               r"generations used for evaluation \((\d+)\)\.", message)
     if evaluation:
@@ -407,16 +560,9 @@ def _batch_shape_error(args, message: str) -> ValueError | None:
         return _error("per_device_eval_batch_size", f"{per_device_eval} x {processes} process(es) does not hold "
                       f"whole groups of {size} completions ({option}).",
                       f"per_device_eval_batch_size={_nearest_multiples(step, per_device_eval)}.")
-    global_batch = re.fullmatch(r"generation_batch_size \((\d+)\) must be divisible by the global batch size "
-                                r"\((\d+)\)\.", message)
-    if global_batch:
-        batch, step = map(int, global_batch.groups())
-        return _error("generation_batch_size", f"{batch} is not a whole number of optimizer micro-batches "
-                      f"(per_device_train_batch_size {per_device} x {world} process(es) = {step}).",
-                      f"generation_batch_size={_nearest_multiples(step, batch)}, or set steps_per_generation instead.")
     if "'generation_batch_size' and 'steps_per_generation' can not be both configured" in message:
         return _error("generation_batch_size", f"both generation_batch_size ({args.generation_batch_size}) and "
-                      f"steps_per_generation ({steps}) are set; each fixes the rollout batch.",
+                      f"steps_per_generation ({shape.steps}) are set; each fixes the rollout batch.",
                       "set only one of them.")
     return None
 
@@ -579,8 +725,9 @@ def check_adaptive_band(args) -> None:
     if delta is not None and not delta > 1.0 + widest_high:
         raise _error("delta", f"{delta} caps the sequence ratio, and must lie above the widest band the adaptive rule "
                      f"can reach: 1 + clip_band_max * epsilon_high / epsilon = {1.0 + widest_high:g}.",
-                     f"set delta above {1.0 + widest_high:g}, or lower clip_band_max below "
-                     f"{(delta - 1.0) / ratio:g}." if delta > 1.0 else f"set delta above {1.0 + widest_high:g}.")
+                     f"set clip_band='fixed' (the band then stays where epsilon / epsilon_high put it), set delta "
+                     f"above {1.0 + widest_high:g}"
+                     + (f", or lower clip_band_max below {(delta - 1.0) / ratio:g}." if delta > 1.0 else "."))
 
 
 def _check_sampler_can_route(args) -> None:
@@ -666,6 +813,22 @@ def setup_summary(args, num_processes: int) -> str:
         text += " GSPOConfig filled in the GSPO paper's values for fields left unset: " + ", ".join(
             f"{name}={value!r}" for name, value in presets.items()) + "."
     return text
+
+
+def launch_summary(args, accelerator) -> str:
+    """What the run trains in and over what, once the launcher has applied its settings (accelerate exports its
+    mixed_precision; transformers takes it when bf16 and fp16 are false): the startup line beside `setup_summary`."""
+    precision = {"no": "float32", "bf16": "bf16 mixed precision", "fp16": "fp16 mixed precision"}.get(
+        args.mixed_precision, args.mixed_precision)
+    if args.mixed_precision != "no" and not (args.bf16 or args.fp16):
+        precision += " (the launcher's ACCELERATE_MIXED_PRECISION: bf16 and fp16 are false)"
+    layout = str(accelerator.distributed_type).rsplit(".", 1)[-1]
+    plugin = getattr(accelerator.state, "deepspeed_plugin", None)
+    if plugin is not None:
+        layout += f" ZeRO-{plugin.zero_stage}"
+    return (f"trains in {precision}{' on the CPU' if args.use_cpu else ''}; {accelerator.num_processes} process(es), "
+            f"{layout}; {args.per_device_train_batch_size} x {accelerator.num_processes} x "
+            f"{args.gradient_accumulation_steps} accumulation steps per optimizer step.")
 
 
 def refuse_unused_token_advantages(overridden: bool, trainer_name: str, loss_type: str) -> None:

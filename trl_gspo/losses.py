@@ -504,7 +504,7 @@ def adaptive_clip_epsilon(epsilon: float, clipped_fraction: float, target: float
                           epsilon_max: float, gain: float = 0.15, max_step: float = 2.0) -> float:
     """Next lower clip range of the adaptive GSPO band (`clip_band="adaptive"`), after an optimizer step whose share
     of clipped tokens among the tokens that could be clipped was ``clipped_fraction`` (Eq. 5's clip applied to
-    ``s_i``; only tokens with a non-zero advantage count, since a zero advantage is never clipped):
+    ``s_i``; only tokens of groups whose rewards differ count: trl_gspo/trainer/clip_band.py):
 
         ``epsilon' = clamp(epsilon * exp(clamp(gain * (c - target) / target, -log max_step, log max_step)),
                            epsilon_min, epsilon_max)``

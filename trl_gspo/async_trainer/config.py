@@ -23,10 +23,12 @@ ASYNC_DEFAULT_CLIP_BAND = "adaptive"
 
 def default_clip_band(args) -> str:
     """The band an unset `clip_band` takes, read before the presets fill `epsilon`: `ASYNC_DEFAULT_CLIP_BAND` for gspo
-    types whose `epsilon` and `epsilon_high` are both unset and whose ratio is against the sampler
-    (`staleness_correction="none"`); "fixed" when a band is given (the band given is the band used), with the
+    types whose `epsilon`, `epsilon_high` and `delta` are unset and whose ratio is against the sampler
+    (`staleness_correction="none"`); "fixed" when a band or a cap `delta` is given (the band given, or the paper's
+    under the cap, is the band used), with the
     decoupled objective (its ratio is 1 by construction) and for TRL's "grpo"."""
-    band_given = args.epsilon is not None or args.epsilon_high is not None
+    # A two-sided cap `delta` is set against a band: the band the user knows (the paper's, or the one given).
+    band_given = args.epsilon is not None or args.epsilon_high is not None or getattr(args, "delta", None) is not None
     paper_objective = getattr(args, "staleness_correction", "none") == "none"
     return (ASYNC_DEFAULT_CLIP_BAND if args.loss_type in GSPO_LOSS_TYPES and not band_given and paper_objective
             else "fixed")
@@ -37,7 +39,7 @@ class AsyncGSPOConfig(AsyncGRPOConfig):
     """`AsyncGRPOConfig` with GSPO's loss types. For `"gspo"` / `"gspo_token"` with `epsilon` and `epsilon_high` unset
     and `staleness_correction="none"`, the clip band is `ASYNC_DEFAULT_CLIP_BAND`: set by the run
     (`clip_band="adaptive"`), starting at the GSPO paper's 3e-4 / 4e-4 and moving after every optimizer step toward
-    clipping 15% of the tokens with a non-zero advantage, above the sampler's measured noise. Each sample is trained
+    clipping 15% of the tokens of groups whose rewards differ, above the sampler's measured noise. Each sample is trained
     once against the sampler's log-probs, so the band is the only trust region, and how far a stale sample has moved
     depends on the model, the learning rate and the sample's age. The paper has no asynchronous setting; the default
     follows the asynchronous band table (docs/gspo.md "A clip band set by the run"). `clip_band="fixed"` keeps the
@@ -97,7 +99,7 @@ class AsyncGSPOConfig(AsyncGRPOConfig):
     )
 
     clip_band: str | None = field(default=None, metadata={"help": CLIP_BAND_HELP + (
-        f" Unset: '{ASYNC_DEFAULT_CLIP_BAND}' for gspo types with epsilon / epsilon_high unset and "
+        f" Unset: '{ASYNC_DEFAULT_CLIP_BAND}' for gspo types with epsilon / epsilon_high / delta unset and "
         "staleness_correction='none' (measured: docs/gspo.md#a-clip-band-set-by-the-run), else 'fixed'.")})
     clip_band_target: float = field(**CLIP_BAND_FIELDS["clip_band_target"])
     clip_band_min: float = field(**CLIP_BAND_FIELDS["clip_band_min"])

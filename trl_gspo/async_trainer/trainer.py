@@ -42,18 +42,20 @@ from trl.experimental.async_grpo.async_grpo_trainer import (
     TokenBudgetBatcher,
     _EmptyIterableDataset,
 )
+from trl.experimental.async_grpo.async_rollout_worker import _AsyncRolloutLoop
 from trl.trainer.utils import pad
 
 from .. import metrics as gspo_metrics
-from ..config import GSPO_LOSS_TYPES, band_description, default_output_dir
+from ..config import GSPO_LOSS_TYPES, band_description, default_output_dir, launch_summary
 from ..lora_merge import exact_sync_stream, merge_calls_skipped
 from ..losses import gspo_packed_loss, nonfinite_counts, unpack_segments
 from ..ranks.phases import SYNC, RanksStopTogether, kept_failures, named_server_failures, rank_wait_timeout
 from ..ranks.watch import phase
 from ..ranks import FailedElsewhere
 from ..routing.replay import RoutingReplay
-from ..trainer.clip_band import AdaptiveClipBand, ClipBandStep, band_columns, band_stats
+from ..trainer.clip_band import AdaptiveClipBand, ClipBandStep, band_columns, band_stats, group_rewards_differ
 from ..trainer.lora import exact_sync_model
+from ..trainer.model_checks import check_model_source, hub_options
 from .config import AsyncGSPOConfig
 from .routing import RoutedRolloutLoop, packed_routes
 
@@ -65,6 +67,30 @@ _RATE_COUNTS = {"clip_ratio/low_mean": "completions", "clip_ratio/high_mean": "c
                 "clip_ratio/region_mean": "completions", "policy_loss": "completions", "gspo/ratio_mean": "nonempty",
                 "entropy": "tokens", "gspo/clipped_token_fraction": "tokens",
                 "gspo/delta_clipped_token_fraction": "tokens"}
+
+
+# Whether a sample's group's rewards differ (what the adaptive band reads), a key of the sample's `metrics`: set by
+# TRL's rollout loop (`GroupRewardsLoop`), or by a custom rollout worker; the queue reader takes it out before TRL's
+# packer averages the metrics for the logs.
+GROUP_REWARDS_DIFFER = "trl_gspo/group_rewards_differ"
+
+
+class GroupRewardsLoop(_AsyncRolloutLoop):
+    """TRL's rollout loop (the rollout worker's child process), marking each scored sample with whether its group's
+    rewards differ (max > min over the group's scored rewards, TRL's `metrics["reward"]`): the advantage cannot say,
+    as TRL's normalisation of a group of equal rewards leaves rounding, not always 0."""
+
+    async def _score_group(self, group):
+        samples = await super()._score_group(group)
+        if samples:
+            rewards = torch.tensor([sample.metrics["reward"] for sample in samples], dtype=torch.float64)
+            for sample, differ in zip(samples, group_rewards_differ(rewards, len(samples)).tolist()):
+                sample.metrics[GROUP_REWARDS_DIFFER] = differ
+        return samples
+
+
+class _RoutedGroupRewardsLoop(GroupRewardsLoop, RoutedRolloutLoop):
+    """R3's rollout loop (routing.py), its samples marked as `GroupRewardsLoop` marks them."""
 
 
 class _RecordingQueue:
@@ -105,14 +131,16 @@ class _VersionedRolloutQueueDataset(RolloutQueueDataset):
         for item in super().__iter__():
             item["model_version"] = self.queue.last.model_version
             item["routes"] = getattr(self.queue.last, "routes", None)  # RoutedRolloutSample (routing.py)
+            item["rewards_differ"] = (item.get("metrics") or {}).pop(GROUP_REWARDS_DIFFER, None)
             yield item
 
 
 @dataclass
 class _VersionedRolloutCollator(DataCollatorForRollout):
     """TRL's packer, plus per row the weight version that sampled each completion (`segment_version`, by segment id,
-    -1 padding) and the micro-batch's completion count over all rows (`global_n_sequences`, repeated per rank as
-    TRL's counts are)."""
+    -1 padding), whether its group's rewards differ (`segment_rewards_differ`, 1 or 0, -1 padding; a sample that
+    does not say, from a custom rollout worker: whether its advantage is not 0) and the micro-batch's completion count
+    over all rows (`global_n_sequences`, repeated per rank as TRL's counts are)."""
 
     route_shape: tuple[int, int] | None = None  # (MoE layers, top_k) with routing_replay="sampler"
     route_dtype: torch.dtype = torch.uint8
@@ -127,6 +155,9 @@ class _VersionedRolloutCollator(DataCollatorForRollout):
             batch["routed"] = pad([routed for _, routed in laid_out], padding_value=False)
         batch["segment_version"] = pad([torch.tensor([s["model_version"] for s in row.samples]) for row in rows],
                                        padding_value=-1)
+        batch["segment_rewards_differ"] = pad([torch.tensor([int(s["advantage"] != 0 if s.get("rewards_differ") is None
+                                                                  else s["rewards_differ"]) for s in row.samples])
+                                                for row in rows], padding_value=-1)
         batch["global_n_sequences"] = torch.full((self.num_processes,), float(sum(len(row.samples) for row in rows)))
         return batch
 
@@ -166,6 +197,8 @@ class AsyncGSPOTrainer(RanksStopTogether, AsyncGRPOTrainer):
         elif not isinstance(args, AsyncGSPOConfig):
             raise TypeError(f"`args` must be an AsyncGSPOConfig (got {type(args).__name__}). Fix: build it with "
                             "trl_gspo.AsyncGSPOConfig(...), which takes every AsyncGRPOConfig field.")
+        if isinstance(model, str):  # a `builtin:` name, or a model neither local, nor cached, nor reachable: one line
+            check_model_source(model, **hub_options(args.model_init_kwargs))
         self.loss_type = args.loss_type
         self._packed_groups = _PackedGroups()
         self._policy_version = 0  # the weight version the policy holds, on every rank (`_sync_weight`)
@@ -181,11 +214,14 @@ class AsyncGSPOTrainer(RanksStopTogether, AsyncGRPOTrainer):
             self.add_callback(ClipBandStep(self))
         if self.accelerator.is_main_process:  # the band it trains with; a warning when presets changed TRL's
             (logger.warning if args.presets else logger.info)(async_setup_summary(args))
+            logger.info(launch_summary(args, self.accelerator))
         self._routing = None
         if args.routing_replay == "sampler":
             self._routing = RoutingReplay(self.accelerator.unwrap_model(self.model))  # refuses a dense model
-            if isinstance(self.rollout_worker, AsyncRolloutWorker):  # TRL's own worker: its loop keeps the routes
-                self.rollout_worker._loop_cls = RoutedRolloutLoop
+        loop_needed = self._routing is not None or self._adaptive_band is not None
+        if loop_needed and isinstance(self.rollout_worker, AsyncRolloutWorker):  # TRL's own worker: its loop marks
+            # whether each sample's group's rewards differ (the adaptive band reads it), and keeps R3's routes
+            self.rollout_worker._loop_cls = GroupRewardsLoop if self._routing is None else _RoutedGroupRewardsLoop
 
     def _save_rng_state(self, output_dir):
         super()._save_rng_state(output_dir)
@@ -284,7 +320,7 @@ class AsyncGSPOTrainer(RanksStopTogether, AsyncGRPOTrainer):
 
     def _set_signature_columns_if_needed(self):
         super()._set_signature_columns_if_needed()
-        for name in ("segment_version", "global_n_sequences", "routes", "routed"):
+        for name in ("segment_version", "segment_rewards_differ", "global_n_sequences", "routes", "routed"):
             if name not in self._signature_columns:
                 self._signature_columns.append(name)
 
@@ -354,11 +390,11 @@ class AsyncGSPOTrainer(RanksStopTogether, AsyncGRPOTrainer):
         if self._adaptive_band is not None:  # clip_band="adaptive": its per-sequence signal (trainer/clip_band.py)
             on_sampling_weights = (ages == 0) & (self._synced_at_step == self.state.global_step)
             advantage_rows = unpack_segments(segment_id, advantages.float(), num_segments=ages.numel())[0]
-            columns = band_columns(out, mask, advantage_rows, on_sampling_weights)
-        read = self._log_gspo_metrics(out, mask, entropy_rows, policy_loss, ages,
-                                      aux_loss.detach() if self.aux_loss_enabled else None, nonfinite, columns)
+            differ = inputs["segment_rewards_differ"]
+            columns = band_columns(out, mask, advantage_rows, on_sampling_weights, differ[differ >= 0] > 0)
+        self._log_gspo_metrics(out, mask, entropy_rows, policy_loss, ages,
+                               aux_loss.detach() if self.aux_loss_enabled else None, nonfinite, columns)
         if self._adaptive_band is not None:  # the band this micro-batch trained with; it moves at the step's end
-            self._adaptive_band.observe(read.row_stats[-4:])
             for name, value in self._adaptive_band.in_use().items():
                 self._metrics["train"][name].append(value)
         self._count_step_tokens(inputs)
@@ -405,7 +441,7 @@ class AsyncGSPOTrainer(RanksStopTogether, AsyncGRPOTrainer):
         if weighted:  # per-sequence columns 5-8 of the gathered rows
             columns.append(torch.stack([age.float(), out.behaviour_weight.float(), out.weight_capped.float(),
                                         out.behaviour_log_weight.float().abs()], 1))
-        if band_columns is not None:  # the adaptive band's, after them; its 4 statistics come last in `row_stats`
+        if band_columns is not None:  # the adaptive band's, after them; its statistics come last in `row_stats`
             columns.append(band_columns)
         band_first = gspo_metrics.PER_SEQUENCE_COLUMNS + 4 * weighted
 
@@ -433,6 +469,8 @@ class AsyncGSPOTrainer(RanksStopTogether, AsyncGRPOTrainer):
                     (clipped_by_age[k], count_by_age[k]))
         if weighted:
             self._log_weight_stats(read.row_stats, buckets)
+        if band_columns is not None:  # after the weights' 4 per age bucket and overall, and their largest |log w_i|
+            self._adaptive_band.observe(read.row_stats[(4 * (buckets + 1) + 1) * weighted:])
         return read
 
     @staticmethod

@@ -6,6 +6,7 @@
 - `recipe`: a recipe's YAML and command-line keys parsed into TRL's dataclasses, the built-in models and datasets,
   the `accelerate launch` options, the summary of a run.
 - `checks`: what a parsed recipe must satisfy (values, dataset, tools, launcher), as `RecipeError`s.
+- `effective`: what the run does once the launcher applied its settings (precision, processes, ZeRO, batch).
 - `rewards`, `tool_registry`: rewards, tools and environments named in a recipe.
 - `launching`, `multinode`: the launcher's process tree and signals (and `accelerate launch` with `quiet`'s filters);
   several nodes.

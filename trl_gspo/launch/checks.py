@@ -11,7 +11,7 @@ import math
 import os
 
 from ..config import did_you_mean
-from ..trainer.model_checks import check_model_source, hub_unreachable_once
+from ..trainer.model_checks import ModelSourceError, check_model_source, hub_options, hub_unreachable_once
 from .recipe import (BUILTIN_DATASETS, BUILTIN_MODELS, BUILTIN_PREFIX, BUILTIN_TASK_MODELS, COLD_START_LAUNCHERS,
                      CONVERSATIONAL_BUILTIN_DATASETS, RecipeError, _check_builtin_dataset, cold_start_before_launch,
                      launch_options, launched_machines, launched_processes, launcher_type)
@@ -47,15 +47,21 @@ def has_accelerator() -> bool:
     return torch.accelerator.is_available() and torch.accelerator.current_accelerator().type != "mps"
 
 
-def check_launch(script_args, training_args, model_args, launch_args: list[str], dry_run: bool = False) -> list[str]:
-    """Refuse (`RecipeError`) a launcher the recipe cannot run on; returns notes for a dry run.
+def check_launch(script_args, training_args, model_args, launch_args: list[str], dry_run: bool = False,
+                 precision_overridden: bool = False) -> list[str]:
+    """Refuse (`RecipeError`) a launcher the recipe cannot run on, or one that overrides its precision
+    (`effective.check_agreement`); returns notes for a dry run, the effective settings first.
+    `precision_overridden`: the dry run replaced the recipe's bf16 (no GPU here), so its precision is not compared.
 
     A dry run validates a GPU recipe on a machine without one, so what only the launch machine can decide (is there
     an accelerator for FSDP) is a note there and an error at launch.
     """
     from .multinode import launch_problems
 
-    notes = []
+    from .effective import Launcher, check_agreement, resolve
+
+    settings = resolve(training_args, model_args, Launcher.from_launch_args(launch_args))
+    notes = ["effective settings (after the launcher):", *(f"  {line}" for line in settings.lines())] if dry_run else []
     distributed_type = launcher_type(launch_args)
     problems = launch_problems(*launch_options(launch_args), distributed_type, training_args.save_on_each_node)
     if problems:
@@ -93,15 +99,19 @@ def check_launch(script_args, training_args, model_args, launch_args: list[str],
             if not dry_run:
                 raise RecipeError(message)
             notes.append(f"(launching here would be refused: {message})")
+    if not precision_overridden:  # after the launcher's own refusals: a launcher that cannot run comes first
+        check_agreement(settings)
     return notes
 
 
 def check_recipe(script_args, training_args, model_args, dataset_args, launch_args: list[str] | None = None,
-                 probe_dataset: bool = True) -> None:
+                 probe_dataset: bool = True, unchecked: list | None = None) -> None:
     """Everything about a recipe that can be checked offline and without a model; raises `RecipeError` naming the
     key and the fix. Run by `trl-gspo` (also for `--dry_run`) before anything is launched, with its `accelerate
     launch` options, and by each launched process before it loads a model (`launch_args=None`, `probe_dataset=False`:
-    it loads the dataset right after and checks its size exactly)."""
+    it loads the dataset right after and checks its size exactly). `unchecked`, a dry run's list: a hub model or
+    dataset neither local nor cached while the Hub is offline or unreachable is appended to it as `(item, what was
+    not checked)`, with the checks that need it (the dataset size), instead of refused (`format_unchecked`)."""
     args = training_args  # its sizes (batch, generations, ...) are checked by GSPOConfig itself
     if args.learning_rate < 0:
         raise RecipeError(f"`learning_rate` must be >= 0, got {args.learning_rate}. Fix: e.g. learning_rate: 1e-6.")
@@ -121,12 +131,60 @@ def check_recipe(script_args, training_args, model_args, dataset_args, launch_ar
         _check_async(script_args, args, model_args)
     else:
         _check_tools(script_args, args, model_args)
-    size = _dataset_size(script_args, dataset_args, probe_dataset)
+    listed = len(unchecked) if unchecked is not None else 0
+    size = _dataset_size(script_args, dataset_args, probe_dataset, unchecked)
+    size_unknown_here = unchecked is not None and len(unchecked) > listed and bool(script_args.dataset_name)
     if probe_dataset and not model_args.model_name_or_path.startswith(BUILTIN_PREFIX):
-        _probe_model("model_name_or_path", model_args.model_name_or_path)
+        try:
+            _probe_model("model_name_or_path", model_args.model_name_or_path, **_model_hub_options(model_args, args))
+        except ValueError as err:  # a RecipeError, or the ModelSourceError behind it
+            if unchecked is None or not _hub_item_unavailable(err):
+                raise
+            unchecked.insert(listed, ("model_name_or_path", (f"{model_args.model_name_or_path}: that it exists; "
+                                                             "its config, tokenizer and chat template")))
     # The asynchronous trainer's rollout worker cycles the prompts as long as training runs: any size serves.
-    if size is not None and launch_args is not None and script_args.trainer != "async":
-        check_dataset_size(size, args, script_args, launched_processes(launch_args))
+    if launch_args is not None and script_args.trainer != "async":
+        if size is not None:
+            check_dataset_size(size, args, script_args, launched_processes(launch_args))
+        elif size_unknown_here:
+            prompts, completions, _ = _rollout_batch(args, script_args, launched_processes(launch_args))
+            unchecked.append(("dataset size", (f"its '{script_args.dataset_train_split}' split needs at least "
+                                               f"{prompts} prompts (one rollout batch: {prompts} x "
+                                               f"{args.num_generations} = {completions} completions)")))
+
+
+class HubUnavailable(RecipeError):
+    """A hub dataset neither local nor cached while the Hub is offline or unreachable: refused before a run, listed
+    as not checked by a dry run."""
+
+
+def hub_unavailable() -> str | None:
+    """Why the Hub cannot be asked from here (offline mode, or no connection: `hub_unreachable_once`), or None."""
+    import datasets
+    from huggingface_hub import constants
+
+    if constants.HF_HUB_OFFLINE or datasets.config.HF_HUB_OFFLINE:
+        return "offline mode is on, HF_HUB_OFFLINE"
+    unreachable = hub_unreachable_once(constants.ENDPOINT)
+    return f"it cannot be reached, {unreachable}" if unreachable else None
+
+
+def _hub_item_unavailable(err: Exception) -> bool:
+    """`err`, from `_probe_model`, says that the model is neither local nor cached (`ModelSourceError`, which it
+    rewords) while the Hub cannot be asked: not an option that transformers' `local_files_only` makes fail anyway."""
+    source = err if isinstance(err, ModelSourceError) else err.__context__
+    return isinstance(source, ModelSourceError) and hub_unavailable() is not None
+
+
+def format_unchecked(unchecked: list) -> str:
+    """A dry run's block of what it could not check on this machine, one `(item, what)` a line."""
+    why = hub_unavailable() if {item for item, _ in unchecked} & {"model_name_or_path", "dataset_name", "datasets"} \
+        else None
+    lines = [f"not checked on this machine{f' (the Hub: {why})' if why else ''}; the run checks them when it starts:"]
+    order = ["model_name_or_path", "tokenizer", "dataset_name", "datasets", "dataset size"]
+    ranked = sorted(unchecked, key=lambda entry: order.index(entry[0]) if entry[0] in order else len(order))
+    lines += [f"  {item:<19} {what}" for item, what in ranked]
+    return "\n".join(lines)
 
 
 def _check_async(script_args, training_args, model_args) -> None:
@@ -149,13 +207,8 @@ def check_dataset_size(size: int, training_args, script_args, processes: int = 1
     run would end after 0 optimizer steps and save an untrained model. In a launched process (`launched=True`)
     `generation_batch_size` already counts every process; before launch it is per process unless set explicitly."""
     args = training_args
-    explicit = "generation_batch_size" in getattr(script_args, "explicit_keys", ())
-    completions = args.generation_batch_size * (1 if explicit or launched else processes)
-    prompts = completions // args.num_generations
+    prompts, completions, batch = _rollout_batch(args, script_args, processes, launched)
     if size < prompts:
-        batch = (f"generation_batch_size={completions}" if explicit else
-                 f"per_device_train_batch_size={args.per_device_train_batch_size} x {processes} process(es) x "
-                 f"steps_per_generation={args.steps_per_generation}")
         raise RecipeError(
             f"the training split has {size} prompts, fewer than one rollout batch: {prompts} prompts x "
             f"{args.num_generations} generations = {completions} completions ({batch}); no optimizer step would "
@@ -163,6 +216,17 @@ def check_dataset_size(size: int, training_args, script_args, processes: int = 1
             f"{' (builtin_num_examples)' if (script_args.dataset_name or '').startswith(BUILTIN_PREFIX) else ''}, "
             "or lower per_device_train_batch_size / steps_per_generation."
         )
+
+
+def _rollout_batch(training_args, script_args, processes: int, launched: bool = False) -> tuple[int, int, str]:
+    """`(prompts, completions, how the completions are counted)` of one rollout batch (`check_dataset_size`)."""
+    args = training_args
+    explicit = "generation_batch_size" in getattr(script_args, "explicit_keys", ())
+    completions = args.generation_batch_size * (1 if explicit or launched else processes)
+    batch = (f"generation_batch_size={completions}" if explicit else
+             f"per_device_train_batch_size={args.per_device_train_batch_size} x {processes} process(es) x "
+             f"steps_per_generation={args.steps_per_generation}")
+    return completions // args.num_generations, completions, batch
 
 
 def _check_output_dir(output_dir: str) -> None:
@@ -194,11 +258,17 @@ def _check_model(model_args) -> None:
                           f"{[BUILTIN_PREFIX + m for m in BUILTIN_MODELS]} or a hub id / local path.")
 
 
-def _probe_model(key: str, name: str) -> None:
-    """A hub model that is neither a local path, nor cached, nor reachable: one line
+def _model_hub_options(model_args, training_args) -> dict:
+    """Where the launched run loads the model from (`launch.train` passes these to `from_pretrained`):
+    `model_revision`, overridden by `model_init_kwargs`' revision, cache_dir, subfolder, token, local_files_only."""
+    return hub_options({"revision": model_args.model_revision, **(training_args.model_init_kwargs or {})})
+
+
+def _probe_model(key: str, name: str, **where) -> None:
+    """A hub model that is neither a local path, nor cached where `where` says, nor reachable: one line
     (`trl_gspo.trainer.model_checks.check_model_source`)."""
     try:
-        check_model_source(name, key)
+        check_model_source(name, key, **where)
     except ValueError as err:
         raise RecipeError(str(err)) from None
 
@@ -277,9 +347,10 @@ def check_conversational(script_args, train_dataset) -> None:
             "`[{\"role\": \"user\", \"content\": ...}]`, or remove " + key + ".")
 
 
-def _dataset_size(script_args, dataset_args, probe: bool) -> int | None:
+def _dataset_size(script_args, dataset_args, probe: bool, unchecked: list | None = None) -> int | None:
     """The training split's number of prompts where it is known without loading the data (`None` otherwise); checks
-    that the dataset exists: a built-in name, a local path, or a hub id `datasets` can resolve (its metadata only)."""
+    that the dataset exists: a built-in name, a local path, or a hub id `datasets` can resolve (its metadata only).
+    A hub dataset the Hub cannot be asked about is appended to `unchecked` (a dry run's list) instead of refused."""
     name = script_args.dataset_name
     if name and dataset_args.datasets:  # `trl grpo` would use `datasets` and only log that `dataset_name` is ignored
         raise RecipeError(f"both `dataset_name` ({name!r}) and `datasets` are set; one of them would be ignored. "
@@ -290,15 +361,29 @@ def _dataset_size(script_args, dataset_args, probe: bool) -> int | None:
     if dataset_args.datasets:
         for entry in dataset_args.datasets:
             if probe:
-                _probe_dataset("datasets", entry.path, entry.name, data_dir=entry.data_dir, data_files=entry.data_files)
+                _probe_or_list(unchecked, f"{entry.path}: that it exists", "datasets", entry.path, entry.name,
+                               data_dir=entry.data_dir, data_files=entry.data_files)
         return None
     if not name:
         raise RecipeError("no dataset: set `dataset_name` (e.g. builtin:addition or a hub id) or `datasets`.")
     if not probe:
         return None
-    info = _probe_dataset("dataset_name", name, script_args.dataset_config)
+    info = _probe_or_list(unchecked, f"{name}: that it exists, with a '{script_args.dataset_train_split}' split",
+                          "dataset_name", name, script_args.dataset_config)
     split = (info.splits or {}).get(script_args.dataset_train_split) if info is not None else None
     return split.num_examples if split is not None and split.num_examples else None
+
+
+def _probe_or_list(unchecked: list | None, what: str, key: str, *probe, **data):
+    """`_probe_dataset(key, *probe, **data)`; a dataset it finds unavailable (`HubUnavailable`) is appended to
+    `unchecked` as `(key, what)` when that is a list (a dry run), else refused."""
+    try:
+        return _probe_dataset(key, *probe, **data)
+    except HubUnavailable:
+        if unchecked is None:
+            raise
+        unchecked.append((key, what))
+        return None
 
 
 class _CacheOnly:
@@ -334,14 +419,20 @@ def _probe_dataset(key: str, path: str, config_name: str | None, **data):
         with _CacheOnly() if unreachable else contextlib.nullcontext():
             return datasets.load_dataset_builder(path, config_name, **data).info
     except Exception as err:  # ConnectionError offline, DatasetNotFoundError, a wrong config name, ...
+        from huggingface_hub.utils import validate_repo_id
+
+        try:  # datasets cannot ask the Hub about a hub id it has not cached (a missing local path is no hub id)
+            missing = isinstance(err, ConnectionError) and validate_repo_id(path) is None
+        except ValueError:
+            missing = False
         if unreachable:  # datasets' own error would only say that offline mode is on
-            raise RecipeError(
+            raise (HubUnavailable if missing else RecipeError)(
                 f"`{key}`: {path!r} is neither a local path nor a cached dataset, and the Hub cannot be reached from "
                 f"here ({unreachable}). Fix: check the network (or HF_ENDPOINT, a proxy), give a local path, or "
                 "download it once online."
             ) from None
         offline = " (offline mode: HF_HUB_OFFLINE / HF_DATASETS_OFFLINE is set and it is not cached)" if offline else ""
-        raise RecipeError(
+        raise (HubUnavailable if offline and missing else RecipeError)(
             f"`{key}`: {path!r} is neither a local path nor a dataset `datasets` can load{offline}: "
             f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}. Fix: check the name"
             f"{' and dataset_config' if config_name else ''}, give a local path, or download it once online."

@@ -21,7 +21,7 @@ import time
 from ..checkpoints import check_resume_before_launch
 from ..config import BF16DeviceError
 from . import launching, multinode, quiet
-from .checks import check_launch, check_recipe
+from .checks import check_launch, check_recipe, format_unchecked
 from .recipe import (BUILTIN_PREFIX, COLD_START_LAUNCHERS, COLD_START_NOTE_ENV, GSPOScriptArguments,  # noqa: F401
                      COLD_START_SECONDS_ENV, COMMAND_STARTED_ENV, RecipeError, cold_start_before_launch,
                      command_started, describe, launch_options, launcher_type, make_parser, parse_recipe)
@@ -80,6 +80,30 @@ def _cold_start_before_launch(argv: list[str], script_args, training_args, model
                      f"{script_args.sft_steps}): {path}"), time.perf_counter() - started
 
 
+def _asks_dry_run(argv: list[str]) -> bool:
+    """Whether the command line asks for a dry run (`--dry_run`, `--dry_run true`, `--dry_run=1`, ...), read before
+    the recipe parses: a dry run parses what this machine cannot run (no GPU for bf16, no vLLM)."""
+    for i, token in enumerate(argv):
+        if token == "--dry_run":
+            value = argv[i + 1] if i + 1 < len(argv) and not argv[i + 1].startswith("--") else "true"
+        elif token.startswith("--dry_run="):
+            value = token.split("=", 1)[1]
+        else:
+            continue
+        return value.lower() in ("true", "1", "yes", "y", "t", "on")
+    return False
+
+
+def _vllm_unchecked(unchecked: list | None):
+    """While parsing for a dry run (`unchecked` a list), a colocate R3 recipe's vLLM that is not installed here is
+    listed there instead of refused (`trl_gspo.sampling.engine.vllm_unchecked`)."""
+    import contextlib
+
+    from ..sampling.engine import vllm_unchecked
+
+    return contextlib.nullcontext() if unchecked is None else vllm_unchecked(unchecked)
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point of `trl-gspo`."""
     argv = list(sys.argv[1:] if argv is None else argv)
@@ -92,29 +116,37 @@ def main(argv: list[str] | None = None) -> int:
 
         return serve.main(argv[1:])
     note = ""
+    # A dry run's list of what this machine cannot check (a hub model or dataset offline, vLLM), printed last.
+    unchecked, dry_run = [], _asks_dry_run(argv)
     try:
         try:
-            script_args, training_args, model_args, dataset_args, launch_args, cli_launch_tokens = parse_recipe(
-                argv, before_launch=True)
+            with _vllm_unchecked(unchecked if dry_run else None):
+                script_args, training_args, model_args, dataset_args, launch_args, cli_launch_tokens = parse_recipe(
+                    argv, before_launch=True)
         except ValueError as err:
             # A GPU recipe (bf16) cannot build its TrainingArguments on a machine without a GPU; a dry run still
             # checks every key and value there, with the hardware check switched off.
             if not isinstance(err, BF16DeviceError):
                 raise
-            if "--dry_run" not in argv:
+            if not dry_run:
                 raise RecipeError("`bf16: true` needs a GPU, and this machine has none. Fix: run on a GPU machine; "
                                   "to try the recipe on CPU add `--bf16 false --use_cpu true`; `--dry_run true` "
                                   "validates it here.") from None
-            script_args, training_args, model_args, dataset_args, launch_args, cli_launch_tokens = parse_recipe(
-                argv + ["--use_cpu", "true", "--bf16", "false"], before_launch=True
-            )
+            unchecked.clear()
+            with _vllm_unchecked(unchecked):
+                script_args, training_args, model_args, dataset_args, launch_args, cli_launch_tokens = parse_recipe(
+                    argv + ["--use_cpu", "true", "--bf16", "false"], before_launch=True
+                )
             note = "(no GPU here: validated with use_cpu=true, bf16=false; the recipe itself asks for bf16)\n"
-        check_recipe(script_args, training_args, model_args, dataset_args, launch_args)
+        if not script_args.dry_run:
+            unchecked = None  # a run refuses what a dry run lists
+        check_recipe(script_args, training_args, model_args, dataset_args, launch_args, unchecked=unchecked)
         resolve_rewards(script_args)  # unknown names or a missing verifier fail here, before any process starts
         tools = resolve_tools(script_args)  # unknown tool / environment names, and a name given twice, too
-        warning = tool_budget_warning(script_args, training_args, model_args, tools)
+        warning = tool_budget_warning(script_args, training_args, model_args, tools, unchecked)
         note += "".join(f"{line}\n" for line in check_launch(script_args, training_args, model_args, launch_args,
-                                                             dry_run=script_args.dry_run))
+                                                             dry_run=script_args.dry_run,
+                                                             precision_overridden=bool(note)))
         check_resume_before_launch(training_args.resume_from_checkpoint, training_args.output_dir)
     except (RecipeError, ValueError, TypeError) as err:
         print(f"trl-gspo: error: {err}", file=sys.stderr)
@@ -124,7 +156,10 @@ def main(argv: list[str] | None = None) -> int:
     if script_args.dry_run:
         print(note, end="")
         print(describe(script_args, training_args, model_args, dataset_args, launch_args))
-        print("trl-gspo: recipe is valid (dry run, nothing trained).")
+        if unchecked:
+            print(format_unchecked(unchecked))
+        print("trl-gspo: recipe is valid (dry run, nothing trained)"
+              + (f"; {len(unchecked)} item(s) above not checked on this machine." if unchecked else "."))
         return 0
 
     # When this command started: the run summary's wall time counts from there.

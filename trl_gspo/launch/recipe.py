@@ -273,6 +273,9 @@ def parse_recipe(argv: list[str], before_launch: bool = False):
                           f"pairs{hint}. Fix: remove it, or add the key it is the value of.")
     if "--config" in argv:  # a recipe's relative accelerate_config path is relative to the recipe file
         config_remaining = _relative_to_recipe(config_remaining, os.path.dirname(argv[argv.index("--config") + 1]))
+    if "--accelerate_config" in cli_remaining[:-1] and "--accelerate_config" in config_remaining[:-1]:
+        at = config_remaining.index("--accelerate_config")  # the command line's replaces the recipe's
+        config_remaining = config_remaining[:at] + config_remaining[at + 2:]
     try:
         launch_args = resolve_accelerate_config_argument(config_remaining + cli_remaining)
     except ValueError as err:

@@ -161,13 +161,15 @@ def _measure(tokenizer, call: dict, result: dict, template_kwargs: dict) -> tupl
     return len(with_call) - len(prompt), len(full) - len(with_call)
 
 
-def tool_budget_warning(script_args, training_args, model_args, kwargs: dict) -> str | None:
+def tool_budget_warning(script_args, training_args, model_args, kwargs: dict,
+                        unchecked: list | None = None) -> str | None:
     """A warning when `max_completion_length` is too short to keep a failed call's error result, else `None`.
 
     TRL 1.16's `_tool_call_loop` drops a tool result that would take the completion (the call turn plus the result)
     past `max_completion_length`: it rolls the sample back and the sample leaves the loop, with no log line. A failed
     call's result is `str({"error": str(e)})`; its size depends on the exception, so it is measured on a sample
     (`SAMPLE_ERROR`) with the recipe's tokenizer and chat template where that is cheap, else estimated from characters.
+    A hub model's tokenizer that is not on this disk is then appended to `unchecked` (a dry run's list), if given.
     """
     functions = [(function, False) for function in kwargs.get("tools", [])]
     if kwargs.get("environment_factory") is not None:
@@ -176,6 +178,9 @@ def tool_budget_warning(script_args, training_args, model_args, kwargs: dict) ->
     if not functions or limit is None:
         return None
     tokenizer = _recipe_tokenizer(model_args)
+    if tokenizer is None and unchecked is not None and not (model_args.model_name_or_path or "").startswith("builtin:"):
+        unchecked.append(("tokenizer", (f"{model_args.model_name_or_path}'s, not on this disk: whether its chat "
+                                        "template renders tool calls; the tool budget is estimated from characters")))
     template_kwargs = training_args.chat_template_kwargs or {}
     if isinstance(template_kwargs, str):  # a JSON string from the command line
         template_kwargs = json.loads(template_kwargs)

@@ -17,6 +17,8 @@ from ..config import did_you_mean
 from . import quiet
 from .checks import (FSDP_WITHOUT_ACCELERATOR, SFT_UNDER_DEEPSPEED, SFT_UNDER_FSDP, check_conversational,
                      check_dataset_size, check_recipe)
+from .effective import check_agreement
+from .effective import resolve as resolve_settings
 from .recipe import (BUILTIN_MODELS, BUILTIN_PREFIX, COLD_START_NOTE_ENV, COLD_START_SECONDS_ENV, RecipeError,
                      describe, load_dataset, parse_recipe)
 from .rewards import resolve_rewards
@@ -143,6 +145,7 @@ def run(script_args, training_args, model_args, dataset_args) -> "GSPOTrainer": 
     from .reporting import RunReportCallback
 
     check_recipe(script_args, training_args, model_args, dataset_args, probe_dataset=False)
+    check_agreement(resolve_settings(training_args, model_args))  # the launcher this process runs under
     check_distributed_setup(training_args)
     check_checkpoint_storage(training_args)
     rewards = resolve_rewards(script_args)

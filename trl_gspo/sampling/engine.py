@@ -9,6 +9,7 @@ vLLM is found by its import name, whatever distribution installed it (`vllm`, or
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import functools
 import importlib.metadata
 import importlib.util
@@ -36,11 +37,31 @@ def check_vllm_routes(args) -> None:
     if installed is None:
         if args.vllm_mode == "server":
             return  # the trainer side of server mode needs no vLLM: the server's answer is checked
+        unchecked = _VLLM_UNCHECKED.get()
+        if unchecked is not None:  # a dry run here; the machine that trains is checked when the run starts
+            unchecked.append(("vLLM", (f"not installed here; routing_replay 'sampler' in colocate mode needs vLLM "
+                                       f"{VLLM_RANGE[0]} to {VLLM_RANGE[1]} where the run trains")))
+            return
         raise ValueError(f"`routing_replay`: 'sampler' with use_vllm needs vLLM, which is not installed. Fix: "
                          f"{_FIX}, or use_vllm=False (R3 from HF generate).")
     if not VLLM_RANGE[0] <= Version(installed.base_version) <= VLLM_RANGE[1]:
         raise ValueError(f"`routing_replay`: 'sampler' with vLLM {installed}: routed experts are supported from "
                          f"{VLLM_RANGE[0]} to {VLLM_RANGE[1]} (TRL 1.16's vLLM range). Fix: {_FIX}.")
+
+
+# Set by `vllm_unchecked`: where a missing vLLM is noted instead of refused.
+_VLLM_UNCHECKED: contextvars.ContextVar[list | None] = contextvars.ContextVar("vllm_unchecked", default=None)
+
+
+@contextlib.contextmanager
+def vllm_unchecked(unchecked: list):
+    """While open, `check_vllm_routes` appends `(item, why)` to `unchecked` where vLLM is not installed, instead of
+    refusing: a dry run on a machine other than the one that trains (`trl-gspo --dry_run`)."""
+    token = _VLLM_UNCHECKED.set(unchecked)
+    try:
+        yield unchecked
+    finally:
+        _VLLM_UNCHECKED.reset(token)
 
 
 def installed_vllm_version() -> Version | None:

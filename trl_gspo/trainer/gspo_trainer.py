@@ -14,7 +14,7 @@ from trl import GRPOTrainer
 from .. import metrics as gspo_metrics
 from ..checkpoints import CheckpointMixin
 from ..config import (DEFAULT_MIN_ROUTE_AGREEMENT, GSPO_LOSS_TYPES, PAPER_EPSILON_HIGH,
-                     PAPER_EPSILON_LOW, GSPOConfig, default_output_dir, refuse_unused_token_advantages,
+                     PAPER_EPSILON_LOW, GSPOConfig, default_output_dir, launch_summary, refuse_unused_token_advantages,
                      runs_old_policy_pass, setup_summary, validate_gspo_args, warn_about_setup)
 from ..losses import (adaptive_entropy_coef, applied_entropy_coef, entropy_window_stats, gspo_loss, gspo_token_loss,
                       masked_sequence_mean, masked_token_mean, nonfinite_counts)
@@ -23,7 +23,7 @@ from ..sampling.engine import check_sampler_at_start, engine_options, trainer_en
 from ..sampling.mismatch import SamplerWatch, log_turns, sampling_metrics
 from ..sampling.old_logps import SamplerOldLogps
 from ..sampling.routes import capture_routes
-from .clip_band import AdaptiveClipBand, ClipBandStep, band_columns, band_stats
+from .clip_band import AdaptiveClipBand, ClipBandStep, band_columns, band_stats, trl_group_rewards_differ
 from .lora import TrainerLora
 from .model_checks import check_model
 from .routing import TrainerRouting, _first_adapter_layer, _reference_pass
@@ -91,11 +91,13 @@ class GSPOTrainer(RanksStopTogether, CheckpointMixin, ToolTurnsMixin, GRPOTraine
         # Until the first optimizer step after a rollout the weights are those that sampled it: ratios then measure
         # the sampler's noise (old_logps="sampler") or kernel rounding, never movement (clip_band.py).
         self._on_sampling_weights = False
+        self._round_rewards = None  # the rewards of the rollout being scored, every rank's (`_calculate_rewards`)
         if self._adaptive_band is not None:
             self.add_callback(ClipBandStep(self))
         if self.accelerator.is_main_process:  # the resolved sizes; a warning when paper presets changed TRL's
             log = logger.warning if getattr(self.args, "paper_presets", None) else logger.info
             log(setup_summary(self.args, self.accelerator.num_processes))
+            logger.info(launch_summary(self.args, self.accelerator))
 
     # ------------------------------------------------------------------ MoE routing (trl_gspo/trainer/routing.py)
     def _clip_band(self):  # "outside the clip band" for any loss type: GSPO's band for TRL's own types
@@ -118,6 +120,8 @@ class GSPOTrainer(RanksStopTogether, CheckpointMixin, ToolTurnsMixin, GRPOTraine
             with self._routing.round(training=self.model.training):
                 output = self._routing.finish_round(super()._generate_and_score_completions(inputs))
                 counts, changed = self._routing.sampler_comparison()
+        if self._adaptive_band is not None and self._round_rewards is not None:  # what the band reads (clip_band.py)
+            output["rewards_differ"] = self._rewards_differ(len(output["prompt_ids"]))
         if self._sampler_logps is not None:  # pi_old := the sampler's; its gap is measured in the first training step
             return self._sampler_logps.finish_round(output)
         trainer_logps, sampler_logps = output.get("old_per_token_logps"), output.get("sampling_per_token_logps")
@@ -127,6 +131,21 @@ class GSPOTrainer(RanksStopTogether, CheckpointMixin, ToolTurnsMixin, GRPOTraine
                                       changed, counts)
             self._log_sampler_values(values, training=self.model.training)
         return output
+
+    def _calculate_rewards(self, *args, **kwargs):
+        rewards = super()._calculate_rewards(*args, **kwargs)
+        self._round_rewards = rewards  # (every rank's sequences, reward functions), in TRL's group order
+        return rewards
+
+    def _rewards_differ(self, local: int) -> torch.Tensor:
+        """Per sequence of this rank, whether its group's rewards differ, from the rewards TRL normalised (not from its
+        float32 advantage, which is not 0 for equal float rewards: 8 rewards of 0.9 give 6e-4)."""
+        rewards, self._round_rewards = self._round_rewards, None
+        group = self.num_generations if self.model.training else self.num_generations_eval
+        differ = trl_group_rewards_differ(rewards, self.reward_weights.to(rewards.device), group,
+                                          getattr(self, "multi_objective_aggregation", "sum_then_normalize"))
+        start = self.accelerator.process_index * local
+        return differ[start:start + local]
 
     def _log_sampler_values(self, values, training):
         for name, value in values.items():
@@ -280,7 +299,8 @@ class GSPOTrainer(RanksStopTogether, CheckpointMixin, ToolTurnsMixin, GRPOTraine
             loss = loss + self.router_aux_loss_coef * aux_loss / accumulation
 
         band = self._adaptive_band if mode == "train" else None  # clip_band="adaptive": what it reads
-        columns = None if band is None else band_columns(out, mask, advantages, self._on_sampling_weights)
+        columns = None if band is None else band_columns(out, mask, advantages, self._on_sampling_weights,
+                                                         inputs.get("rewards_differ"))
         read = self._log_gspo_metrics(mode, out, mask, entropies.detach(), policy_loss.detach(),
                                       per_token_kl.detach() if self.beta != 0.0 else None,
                                       aux_loss.detach() if self.aux_loss_enabled else None, nonfinite, columns)

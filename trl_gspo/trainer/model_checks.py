@@ -1,8 +1,9 @@
 """Checks of a model's configuration against what TRL will do with it, run when `GSPOTrainer` is constructed, so
 that an unsupported combination fails in a second instead of after the model has loaded and generated; and of where
-the model comes from: a name that is neither local, nor cached, nor reachable on the Hub is refused in one line before
-transformers' retries (about 30 s, 51 s for a model's files), the Hub probed once, bounded in time (also used by the
-recipe checks).
+the model comes from: a name that is neither local, nor cached where transformers looks (`model_init_kwargs`'
+cache_dir, revision, subfolder), nor reachable on the Hub is refused in one line before transformers' retries (about
+30 s, 51 s for a model's files), the Hub probed once, bounded in time; so is a recipe's `builtin:` name (also used by
+the recipe checks and `AsyncGSPOTrainer`).
 
 Knows no trainer: takes a transformers config and the training arguments.
 """
@@ -71,16 +72,17 @@ def check_trl_backbone(model) -> None:
 
 def model_config(model, args):
     """The transformers config of `model` (a model object or a hub id / path) without loading weights, or None when
-    it cannot be read here (TRL then reports the problem itself)."""
+    it cannot be read here (TRL then reports the problem itself). Read from where TRL will load the model:
+    `model_init_kwargs`' cache_dir, revision, subfolder and token."""
     if not isinstance(model, str):
         return getattr(model, "config", None)
     from transformers import AutoConfig
 
-    check_model_source(model)  # neither local, nor cached, nor reachable: one line, before transformers' retries
-
     init = args.model_init_kwargs or {}
+    where = hub_options(init)
+    check_model_source(model, **where)  # neither local, nor cached, nor reachable: one line, before any retry
     try:
-        return AutoConfig.from_pretrained(model, revision=init.get("revision"),
+        return AutoConfig.from_pretrained(model, **where,
                                           trust_remote_code=init.get("trust_remote_code", args.trust_remote_code))
     except (OSError, ValueError):
         return None
@@ -135,12 +137,45 @@ class ModelSourceError(OSError, ValueError):
     after its retries, and a `ValueError` like the other refusals of a bad option."""
 
 
-def check_model_source(model: str, key: str = "model") -> None:
-    """Refuse, in one line naming `key`, a model name that is neither a local path, nor in the Hub cache, nor
-    reachable (offline mode, or a Hub that does not accept a connection within `HUB_PROBE_TIMEOUT` seconds), before
-    transformers' retry loop and traceback. A name the Hub can serve passes: transformers reports a wrong one."""
+# `from_pretrained`'s keywords that say where a model's files are, with their defaults: transformers reads
+# `<cache_dir or HF_HUB_CACHE>/models--ORG--NAME/snapshots/<revision>/<subfolder>/config.json` when it cannot ask the
+# Hub, or may not (`local_files_only`); `token` opens a gated or private repository.
+WHERE_KEYS = {"cache_dir": None, "revision": "main", "subfolder": "", "token": None, "local_files_only": False}
+
+
+def hub_options(init_kwargs: dict | None) -> dict:
+    """The keywords of `init_kwargs` (`model_init_kwargs`, what TRL passes to `from_pretrained`) that say where the
+    model's files are, without those at their defaults."""
+    return {key: value for key, value in (init_kwargs or {}).items()
+            if key in WHERE_KEYS and value is not None and value != WHERE_KEYS[key]}
+
+
+# The recipes' built-in models (trl_gspo/launch/recipe.py): only `trl-gspo` builds them, and how Python does
+# (trl_gspo.quickstart; tests/test_model_source.py holds the names to the recipes').
+BUILTIN_PREFIX = "builtin:"
+BUILTIN_BUILDERS = {
+    "tiny-qwen3-moe": "tokenizer = build_tokenizer(); model = build_model(tokenizer)",
+    "tiny-qwen3": "tokenizer = build_tokenizer(); model = build_dense_model(tokenizer)",
+    "tiny-qwen3-moe-tools": "model, tokenizer = build_tool_model()",
+}
+
+
+def check_model_source(model: str, key: str = "model", *, cache_dir=None, revision=None, subfolder=None, token=None,
+                       local_files_only=False) -> None:
+    """Refuse, in one line naming `key`, a model name transformers surely cannot load: a `builtin:` name (only
+    `trl-gspo` recipes build those), or a Hub id that is neither a local path, nor in the cache where transformers
+    looks (`cache_dir`, else HF_HUB_CACHE; at `revision`, in `subfolder`), nor reachable (offline mode,
+    `local_files_only`, or a Hub that does not accept a connection within `HUB_PROBE_TIMEOUT` seconds), before
+    transformers' retry loop and traceback. A name the Hub can serve passes: transformers reports a wrong one. `token`
+    changes nothing here (the cache needs none; a Hub that answers is asked with it by transformers)."""
     if os.path.exists(model):
         return
+    if model.startswith(BUILTIN_PREFIX):
+        builder = BUILTIN_BUILDERS.get(model[len(BUILTIN_PREFIX):], BUILTIN_BUILDERS["tiny-qwen3-moe"])
+        raise ValueError(f"`{key}`: {model!r} is a built-in model of `trl-gspo` recipes, which the trainers do not "
+                         f"build. Fix: build it with trl_gspo.quickstart ({builder}) and pass model=model, "
+                         "processing_class=tokenizer (docs/own_task.md#from-python; AsyncGSPOTrainer: the directory "
+                         "both are saved to), or train it with `trl-gspo` and a recipe.")
     from huggingface_hub import constants, try_to_load_from_cache
     from huggingface_hub.utils import validate_repo_id
 
@@ -148,13 +183,37 @@ def check_model_source(model: str, key: str = "model") -> None:
         validate_repo_id(model)
     except ValueError:  # a path that does not exist, not a Hub id: transformers says so at once, without retries
         return
-    if isinstance(try_to_load_from_cache(model, "config.json"), str):
-        return
-    fix = "give a local path, or download it once online (`hf download NAME`)."
-    if constants.HF_HUB_OFFLINE:
-        raise ModelSourceError(f"`{key}`: {model!r} is neither a local path nor a cached model, and offline mode is on "
-                         f"(HF_HUB_OFFLINE). Fix: {fix}")
+    folder = f"{subfolder}/" if subfolder else ""
+    # a PEFT adapter's repository holds adapter_config.json instead: transformers loads its base model then
+    for name in ("config.json", "adapter_config.json"):
+        if isinstance(try_to_load_from_cache(model, folder + name, cache_dir=cache_dir, revision=revision), str):
+            return
+    where = ", ".join(f"{name}={value!r}" for name, value in
+                      (("cache_dir", cache_dir), ("revision", revision), ("subfolder", subfolder)) if value)
+    where = f" ({where})" if where else ""
+    elsewhere = _cached_revisions(model, folder, cache_dir)
+    download = " ".join([f"hf download {model}", *([f"--revision {revision}"] if revision else []),
+                         *([f"--cache-dir {cache_dir}"] if cache_dir else [])])
+    fix = (f"set the revision to one cached ({', '.join(elsewhere)}: `revision` in model_init_kwargs, "
+           "`model_revision` in a recipe), " if elsewhere else "")
+    fix += f"give a local path, or download it once online (`{download}`)."
+    if constants.HF_HUB_OFFLINE or local_files_only:
+        why = "offline mode is on (HF_HUB_OFFLINE)" if constants.HF_HUB_OFFLINE else "local_files_only is set"
+        raise ModelSourceError(f"`{key}`: {model!r} is neither a local path nor a cached model{where}, and {why}. "
+                               f"Fix: {fix}")
     unreachable = hub_unreachable_once(constants.ENDPOINT)
     if unreachable:
-        raise ModelSourceError(f"`{key}`: {model!r} is neither a local path nor a cached model, and the Hub cannot be "
-                         f"reached from here ({unreachable}). Fix: check the network (or HF_ENDPOINT, a proxy), {fix}")
+        raise ModelSourceError(f"`{key}`: {model!r} is neither a local path nor a cached model{where}, and the Hub "
+                               f"cannot be reached from here ({unreachable}). Fix: check the network (or HF_ENDPOINT, "
+                               f"a proxy), {fix}")
+
+
+def _cached_revisions(model: str, folder: str, cache_dir) -> list[str]:
+    """The snapshots (commit hashes) of `model` in the cache that hold its config, or []."""
+    from huggingface_hub import constants
+    from huggingface_hub.file_download import repo_folder_name
+
+    snapshots = os.path.join(cache_dir or constants.HF_HUB_CACHE, repo_folder_name(repo_id=model, repo_type="model"),
+                             "snapshots")
+    found = sorted(os.listdir(snapshots)) if os.path.isdir(snapshots) else []
+    return [sha for sha in found if os.path.isfile(os.path.join(snapshots, sha, folder, "config.json"))]
