@@ -285,8 +285,9 @@ def gspo_token_loss(
 
     ``J(theta) = E[ (1/G) sum_i (1/|y_i|) sum_t min(s_i,t A_i,t, clip(s_i,t, 1 - eps_low, 1 + eps_high) A_i,t) ]``
 
-    ``s_i,t`` equals ``s_i`` in value, so the clip decision is per sequence, but each token has its own
-    advantage. With ``A_i,t = A_i`` for every token this equals :func:`gspo_loss` in value and gradient.
+    ``s_i,t`` equals ``s_i`` in value, so the ratio is per sequence, but each token has its own advantage, and the
+    clip binds per token by its sign. With ``A_i,t = A_i`` for every token this equals :func:`gspo_loss` in value
+    and gradient.
 
     ``delta`` caps the unclipped term as in :func:`gspo_loss`, per token: ``min(min(s_i,t, delta) A_i,t, ...)``,
     which binds on the tokens with ``A_i,t < 0`` of a sequence with ``s_i > delta``.
@@ -316,7 +317,7 @@ def gspo_token_loss(
     token_logps = torch.where(valid, logps.to(dtype), zero)
     advantages = torch.where(valid, advantages.to(dtype).expand(-1, length), zero)
     # Eq. 14: s_i,t = sg[s_i] * pi(y_t) / sg[pi(y_t)]. The second factor is exactly 1 in value (exp(0)), so every
-    # token of a sequence has the same ratio and the same clip decision, bit for bit.
+    # token of a sequence has the same ratio, bit for bit (the clip still binds by each token's advantage sign).
     token_ratio = torch.exp(log_ratio).detach()[:, None] * torch.exp(token_logps - token_logps.detach())
     token_loss, low, high, capped = _clipped_surrogate(token_ratio, advantages, eps_low, eps_high, delta)
     token_loss = torch.where(valid, token_loss, zero)

@@ -2,7 +2,8 @@
 
 Equation numbers refer to *Group Sequence Policy Optimization* (Zheng et al., arXiv 2507.18071). GSPO-token
 (Eq. 13-14) gives every token the ratio ``s_i,t = sg[s_i] * pi_theta(y_i,t) / sg[pi_theta(y_i,t)]``, equal to
-``s_i`` in value, so the clip decision stays per sequence while each token has its own advantage ``A_i,t``.
+``s_i`` in value, so the ratio stays per sequence while each token has its own advantage ``A_i,t`` (and the clip
+binds per token, by the sign of ``A_i,t``).
 Unclipped, the gradient of token ``t`` of completion ``i`` (Eq. 13, over a batch of ``G`` completions) is::
 
     (1/G) * s_i * A_i,t / |y_i| * grad log pi_theta(y_i,t)

@@ -1,10 +1,11 @@
 """GSPO in TRL 1.16's asynchronous trainer (`trl.experimental.async_grpo.AsyncGRPOTrainer`).
 
 TRL's asynchronous trainer generates with a vLLM server while it trains: a rollout worker keeps the server busy, the
-trainer streams its weights to the server after each optimizer step, and samples up to `max_staleness` weight versions
-old are trained on with the sampler's log-probs as pi_old (never recomputed). Its loss is token-level only. This
-subclass adds `loss_type="gspo"` / `"gspo_token"` (the GSPO paper's Eq. 5-7 / 13-14, arXiv 2507.18071) on TRL's packed
-rows, where one row holds many completions told apart by `segment_id`:
+trainer streams its weights to the server after each optimizer step, and samples up to `max_staleness + 1` weight
+versions old (its loader fetches one micro-batch ahead of a sync) are trained on with the sampler's log-probs as
+pi_old (never recomputed). Its loss is token-level only. This subclass adds `loss_type="gspo"` / `"gspo_token"`
+(the GSPO paper's Eq. 5-7 / 13-14, arXiv 2507.18071) on TRL's packed rows, where one row holds many completions
+told apart by `segment_id`:
 
     s_i = exp( (1/|y_i|) sum_t log pi_theta(y_i,t) / pi_old(y_i,t) )     over completion i's trained tokens only
 
@@ -173,7 +174,7 @@ def async_setup_summary(args) -> str:
         high = args.epsilon if args.epsilon_high is None else args.epsilon_high
         loss = f"TRL's token-level loss, epsilon={args.epsilon:g}, epsilon_high={high:g}"
     text = (f"AsyncGSPOTrainer, loss_type={args.loss_type!r}: {loss}; samples up to max_staleness={args.max_staleness} "
-            "weight versions old.")
+            "+ 1 weight versions old.")
     if args.presets:
         text += " AsyncGSPOConfig filled in for fields left unset: " + ", ".join(
             f"{name}={value!r}" for name, value in args.presets.items()) + "."

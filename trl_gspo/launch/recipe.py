@@ -73,7 +73,8 @@ class GSPOScriptArguments(GRPOScriptArguments):
         metadata={
             "help": "'sync': GSPOTrainer (TRL's GRPOTrainer: generation and training take turns). 'async': "
             "AsyncGSPOTrainer (TRL's asynchronous trainer: a vLLM server at `vllm_server_base_url` samples while the "
-            "trainer trains, on samples up to `max_staleness` weight versions old); its keys are AsyncGSPOConfig's.",
+            "trainer trains, on samples up to `max_staleness + 1` weight versions old); its keys are "
+            "AsyncGSPOConfig's.",
             "choices": list(TRAINERS),
         },
     )
