@@ -197,6 +197,7 @@ def test_async_staleness_trains_each_arm_and_summarizes_its_runs(tmp_path):
     assert table[-1].startswith("goals: within 1 SE of the best fixed band in 2 of 2 cells")
 
 
+@pytest.mark.extended  # left out of CI's time: tests/test_clip_band.py trains the adaptive band in CI
 def test_clip_band_sync_runs_both_bands_on_the_quickstart():
     """benchmarks/clip_band_sync.py on the quickstart recipe, 8 steps after a 20-step cold start: the fixed band
     stays at the paper's, the adaptive one moves (each line: the mean band of the first and last logging windows);

@@ -509,6 +509,7 @@ def test_a_server_of_another_model_or_tokenizer_is_refused_at_construction(plain
     assert f"the vLLM server at {url} tokenizes a probe text" in output and "another tokenizer" in output
 
 
+@pytest.mark.extended  # left out of CI's time: serve.py's flag rule is unit-tested; MoE serving runs in CI
 def test_trl_gspo_vllm_serve_serves_a_dense_model_without_routes(tmp_path):
     """vLLM's engine refuses --enable-return-routed-experts for a model without experts (it stops at start-up), so
     `trl-gspo vllm-serve` leaves the flag out for a dense model and serves it as `trl vllm-serve` would. A trainer
@@ -672,6 +673,7 @@ def _stock_hangs(out_dir):
     assert "in gather" in rank1 and "grpo_trainer.py" in rank1, rank1[-3000:]
 
 
+@pytest.mark.extended  # left out of CI's time: stock TRL's failure, shown; our TP 2 fix runs in CI
 def test_stock_trl_at_tensor_parallel_2_misroutes_then_hangs(tool_model_dir, tmp_path):
     """Stock TRL 1.16 `GRPOTrainer` at TP 2, rank-divergent turns (docs/tool_turns.md). Turn 1 (8 and 4 samples): each
     rank keeps `rank * len(prompts)` onwards of the group's 12 results, so rank 1 gets 4 completions generated from
