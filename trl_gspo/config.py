@@ -90,7 +90,8 @@ CLIP_BAND_HELP = (
     "GSPO's clip band. 'fixed': epsilon / epsilon_high throughout (unset: the paper's 3e-4 / 4e-4). 'adaptive' "
     "(opt-in): starts there and moves after every optimizer step toward clipping clip_band_target of the tokens that "
     "can be clipped (those of groups whose rewards differ), within [clip_band_min, clip_band_max] and above the "
-    "sampler's measured noise (docs/gspo.md#a-clip-band-set-by-the-run). TRL's loss types: 'fixed', the only value they take.")
+    "sampler's measured noise (docs/gspo.md#a-clip-band-set-by-the-run). TRL's loss types: 'fixed', the only value "
+    "they take.")
 CLIP_BAND_FIELDS = {
     "clip_band": dict(default="fixed", metadata={"help": CLIP_BAND_HELP}),
     "clip_band_target": dict(default=0.15, metadata={
@@ -368,7 +369,8 @@ NUMBER_RANGES = {
     "num_train_epochs": Range(0, low_open=True, example="1"),
     "learning_rate": Range(0, example="1e-6"), "warmup_steps": Range(0, example="0"),
     "weight_decay": Range(0, example="0.0"), "max_grad_norm": Range(0, example="1.0 (0 turns clipping off)"),
-    "adam_beta1": Range(0, 1, high_open=True, example="0.9"), "adam_beta2": Range(0, 1, high_open=True, example="0.999"),
+    "adam_beta1": Range(0, 1, high_open=True, example="0.9"),
+    "adam_beta2": Range(0, 1, high_open=True, example="0.999"),
     "adam_epsilon": Range(0, low_open=True, example="1e-8"),
     "temperature": Range(0, low_open=True, example="1.0 (completions are sampled)"),
     "top_p": Range(0, 1, low_open=True, example="1.0"), "top_k": Range(0, example="0 (off)"),
@@ -406,7 +408,7 @@ def parent_errors_as_ours(args):
     (TRL's default when unset and `fp16` is not set) or `bf16_full_eval` meets a machine without a bfloat16 device and
     `use_cpu` is not set. Shared by `GSPOConfig` and `AsyncGSPOConfig`."""
     bf16_given = args.bf16  # None (unset) until TRL's __post_init__ resolves it
-    shape = BatchShape.given(args, processes=1)  # as given: TRL's __post_init__ derives the rest
+    shape = BatchShape.given(args)  # as given: TRL's __post_init__ derives the rest
     try:
         yield
         if args.use_cpu and (args.bf16 or args.fp16):  # transformers allows it and says nothing
@@ -468,9 +470,9 @@ class BatchShape:
     steps_preset: bool = False
 
     @classmethod
-    def given(cls, args, processes: int | None = None) -> BatchShape:
-        processes = processes or max(getattr(args, "world_size", 1) or 1, 1)
-        return cls(args.per_device_train_batch_size, processes, getattr(args, "num_generations", None),
+    def given(cls, args) -> BatchShape:
+        """Before TRL's `__post_init__`: the processes are known only after it set up the devices (replaced then)."""
+        return cls(args.per_device_train_batch_size, 1, getattr(args, "num_generations", None),
                    getattr(args, "generation_batch_size", None), getattr(args, "steps_per_generation", None),
                    args.gradient_accumulation_steps, "steps_per_generation" in getattr(args, "paper_presets", {}))
 
@@ -513,12 +515,11 @@ _BATCH_OPTIONS = {"num_generations": "num_generations", "per_device": "per_devic
                   "generation_batch": "generation_batch_size", "steps": "steps_per_generation"}
 
 
-def _batch_shape_error(args, message: str, shape: BatchShape | None = None) -> ValueError | None:
+def _batch_shape_error(args, message: str, shape: BatchShape) -> ValueError | None:
     """TRL's batch-shape refusals, which name derived sizes the user never set ("generation_batch_size (128) must be
     divisible by num_generations (7)"), as ours: the option the user set, the sizes behind the derived one, and for
     each option that can fix it alone the nearest values that do (`BatchShape.fixes`, each one checked by TRL's
     rule). `shape`: the options as given, before TRL's `__post_init__` derived the rest. None for any other message."""
-    shape = shape or BatchShape.given(args)
     world, per_device = shape.processes, shape.per_device
     groups = re.fullmatch(r"generation_batch_size \((\d+)\) must be divisible by num_generations \((\d+)\)\.",
                           message)
@@ -528,7 +529,8 @@ def _batch_shape_error(args, message: str, shape: BatchShape | None = None) -> V
         fixes = [f"{_BATCH_OPTIONS[option]}={' or '.join(map(str, values))}"
                  for option, values in shape.fixes().items()]
         if shape.steps is not None and not shape.steps_preset and shape.generation_batch is None:
-            sizes = f"per_device_train_batch_size {per_device} x {world} process(es) x steps_per_generation {shape.steps}"
+            sizes = (f"per_device_train_batch_size {per_device} x {world} process(es) x steps_per_generation "
+                     f"{shape.steps}")
         elif shape.generation_batch is None:
             sizes = (f"per_device_train_batch_size {per_device} x {world} process(es) x steps_per_generation "
                      f"{shape.steps}, GSPOConfig's 4 x gradient_accumulation_steps" if shape.steps_preset else
@@ -815,11 +817,14 @@ def setup_summary(args, num_processes: int) -> str:
     return text
 
 
+# accelerate's `mixed_precision` values (ACCELERATE_MIXED_PRECISION), as the startup lines and the dry run name them
+PRECISIONS = {"no": "float32", "bf16": "bf16 mixed precision", "fp16": "fp16 mixed precision"}
+
+
 def launch_summary(args, accelerator) -> str:
     """What the run trains in and over what, once the launcher has applied its settings (accelerate exports its
     mixed_precision; transformers takes it when bf16 and fp16 are false): the startup line beside `setup_summary`."""
-    precision = {"no": "float32", "bf16": "bf16 mixed precision", "fp16": "fp16 mixed precision"}.get(
-        args.mixed_precision, args.mixed_precision)
+    precision = PRECISIONS.get(args.mixed_precision, args.mixed_precision)
     if args.mixed_precision != "no" and not (args.bf16 or args.fp16):
         precision += " (the launcher's ACCELERATE_MIXED_PRECISION: bf16 and fp16 are false)"
     layout = str(accelerator.distributed_type).rsplit(".", 1)[-1]

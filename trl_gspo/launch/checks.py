@@ -56,9 +56,8 @@ def check_launch(script_args, training_args, model_args, launch_args: list[str],
     A dry run validates a GPU recipe on a machine without one, so what only the launch machine can decide (is there
     an accelerator for FSDP) is a note there and an error at launch.
     """
-    from .multinode import launch_problems
-
     from .effective import Launcher, check_agreement, resolve
+    from .multinode import launch_problems
 
     settings = resolve(training_args, model_args, Launcher.from_launch_args(launch_args))
     notes = ["effective settings (after the launcher):", *(f"  {line}" for line in settings.lines())] if dry_run else []
@@ -112,15 +111,7 @@ def check_recipe(script_args, training_args, model_args, dataset_args, launch_ar
     it loads the dataset right after and checks its size exactly). `unchecked`, a dry run's list: a hub model or
     dataset neither local nor cached while the Hub is offline or unreachable is appended to it as `(item, what was
     not checked)`, with the checks that need it (the dataset size), instead of refused (`format_unchecked`)."""
-    args = training_args  # its sizes (batch, generations, ...) are checked by GSPOConfig itself
-    if args.learning_rate < 0:
-        raise RecipeError(f"`learning_rate` must be >= 0, got {args.learning_rate}. Fix: e.g. learning_rate: 1e-6.")
-    if not args.temperature > 0:
-        raise RecipeError(f"`temperature` must be > 0 (completions are sampled), got {args.temperature}. Fix: e.g. "
-                          "temperature: 1.0.")
-    if args.max_steps <= 0 and not args.num_train_epochs > 0:
-        raise RecipeError(f"nothing to train: `max_steps` is {args.max_steps} and `num_train_epochs` is "
-                          f"{args.num_train_epochs}. Fix: set max_steps or num_train_epochs > 0.")
+    args = training_args  # its numbers (sizes, learning_rate, max_steps, ...) are range-checked by the config itself
     _check_output_dir(args.output_dir)
     _check_model(model_args)
     if script_args.sft_steps and not (script_args.dataset_name or "").startswith(BUILTIN_PREFIX):

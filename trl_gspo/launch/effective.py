@@ -14,9 +14,9 @@ import json
 import os
 from dataclasses import dataclass
 
+from ..config import PRECISIONS
 from .recipe import RecipeError, launch_options
 
-PRECISIONS = {"no": "float32", "bf16": "bf16 mixed precision", "fp16": "fp16 mixed precision"}
 # The launcher shipped for full-precision recipes, by the launcher it replaces (the others: a copy with mixed_precision
 # 'no').
 FULL_PRECISION_CONFIGS = {"FSDP": "recipes/accelerate/fsdp2_fp32.yaml"}
@@ -116,7 +116,7 @@ class EffectiveSettings:
     """A run's settings after the launcher: what it trains in and over how many processes."""
 
     precision: str  # "no", "bf16", "fp16": the autocast transformers applies
-    precision_from: str  # why: the recipe's bf16/fp16, or the launcher
+    precision_from_launcher: bool  # bf16 and fp16 false: the launcher's mixed_precision applies
     use_cpu: bool
     model_dtype: str | None
     launcher: Launcher
@@ -125,11 +125,19 @@ class EffectiveSettings:
     generation_batch_size: int | None
 
     @property
+    def precision_from(self) -> str:
+        """Why the run trains in `precision`: the recipe's bf16/fp16, or the launcher."""
+        if not self.precision_from_launcher:
+            return f"{self.precision}: true"
+        return ("bf16 and fp16 false" if self.precision == "no" else
+                f"mixed_precision {self.precision} from {self.launcher.source}, as bf16 and fp16 are false")
+
+    @property
     def completions_per_optimizer_step(self) -> int:
         return self.per_device_train_batch_size * self.launcher.processes * self.gradient_accumulation_steps
 
     def lines(self) -> list[str]:
-        """The settings in words, one per line: the dry run and the startup lines print them."""
+        """The settings in words, one per line, as the dry run prints them."""
         launcher = self.launcher
         layout = {"DEEPSPEED": f"DeepSpeed ZeRO-{launcher.zero_stage or '?'}", "FSDP": "FSDP",
                   "MULTI_GPU": "data parallel (DDP)", "NO": "one process, no launcher sharding"}.get(
@@ -153,19 +161,14 @@ def resolve(training_args, model_args=None, launcher: Launcher | None = None) ->
     """The settings `training_args` train with under `launcher` (by default, the one this process runs under), by
     transformers' rule: `fp16` or `bf16` when set, otherwise the launcher's mixed precision."""
     launcher = launcher or Launcher.from_environment()
-    if training_args.fp16 or training_args.bf16:
-        precision = "fp16" if training_args.fp16 else "bf16"
-        precision_from = f"{precision}: true"
-    else:
-        precision = launcher.mixed_precision
-        precision_from = ("bf16 and fp16 false" if precision == "no"
-                          else f"mixed_precision {precision} from {launcher.source}, as bf16 and fp16 are false")
+    from_launcher = not (training_args.fp16 or training_args.bf16)
+    precision = launcher.mixed_precision if from_launcher else "fp16" if training_args.fp16 else "bf16"
     # The weights' dtype: the recipe's `dtype` (ModelConfig's; AsyncGRPOConfig's own, float32 by default), or the
     # Python API's model_init_kwargs.
     dtype = (getattr(model_args, "dtype", None) or getattr(training_args, "dtype", None)
              or (getattr(training_args, "model_init_kwargs", None) or {}).get("dtype"))
     return EffectiveSettings(
-        precision=precision, precision_from=precision_from, use_cpu=bool(training_args.use_cpu),
+        precision=precision, precision_from_launcher=from_launcher, use_cpu=bool(training_args.use_cpu),
         model_dtype=None if dtype in (None, "auto") else str(dtype).replace("torch.", ""), launcher=launcher,
         per_device_train_batch_size=training_args.per_device_train_batch_size,
         gradient_accumulation_steps=training_args.gradient_accumulation_steps,
@@ -179,7 +182,7 @@ def check_agreement(settings: EffectiveSettings, recipe_name: str = "the recipe"
     (`bf16: false`, `fp16: false`) under a mixed-precision launcher, and a DeepSpeed launcher's own gradient
     accumulation that differs from the recipe's."""
     launcher = settings.launcher
-    if settings.precision != "no" and not settings.precision_from.endswith(": true"):
+    if settings.precision != "no" and settings.precision_from_launcher:
         replacement = FULL_PRECISION_CONFIGS.get(launcher.distributed_type)
         fix = (f"launch with {replacement} (mixed_precision 'no')" if replacement else
                "launch with a copy of that config that sets mixed_precision: 'no'")

@@ -20,11 +20,11 @@ from trl import DatasetMixtureConfig, ModelConfig, TrlParser
 from trl.scripts.grpo import GRPOScriptArguments
 
 from ..config import GSPO_LOSS_TYPES, GSPOConfig, band_description, did_you_mean
+from ..trainer.model_checks import BUILTIN_BUILDERS, BUILTIN_PREFIX
 
 TRAINERS = ("sync", "async")  # `trainer:` GSPOTrainer (TRL's GRPOTrainer) or AsyncGSPOTrainer (TRL's AsyncGRPOTrainer)
 
-BUILTIN_PREFIX = "builtin:"
-BUILTIN_MODELS = ("tiny-qwen3-moe", "tiny-qwen3", "tiny-qwen3-moe-tools")
+BUILTIN_MODELS = tuple(BUILTIN_BUILDERS)  # "tiny-qwen3-moe", "tiny-qwen3", "tiny-qwen3-moe-tools"
 BUILTIN_DATASETS = ("addition", "tool_addition")
 # The built-in models each built-in task cold-starts and trains: the task's prompts need the model's tokenizer.
 BUILTIN_TASK_MODELS = {"addition": ("tiny-qwen3-moe", "tiny-qwen3"), "tool_addition": ("tiny-qwen3-moe-tools",)}

@@ -110,15 +110,6 @@ def band_stats(rows: torch.Tensor, present: torch.Tensor, first: int) -> torch.T
                                    torch.cat([zero, log_ratio[signal]]).max()]), torch.where(noisy, log_ratio, -1.0)])
 
 
-def quantile(values: list[float], q: float) -> float:
-    """The `q` quantile of `values`, linear between order statistics (numpy's default)."""
-    ordered = sorted(values)
-    position = q * (len(ordered) - 1)
-    below = math.floor(position)
-    above = min(below + 1, len(ordered) - 1)
-    return ordered[below] + (ordered[above] - ordered[below]) * (position - below)
-
-
 class AdaptiveClipBand:
     """The band's state: the lower range in use, the noise floor, and what the current optimizer step measured."""
 
@@ -159,7 +150,7 @@ class AdaptiveClipBand:
         fraction = None
         if not skipped:
             if self._noise:  # both edges clear the noise: 1 - eps <= e^-n and 1 + ratio * eps >= e^n
-                noise = quantile(self._noise, NOISE_QUANTILE)
+                noise = torch.tensor(self._noise, dtype=torch.float64).quantile(NOISE_QUANTILE).item()  # linear
                 floor = max(-math.expm1(-noise), math.expm1(noise) / self.ratio)
                 self.noise_floor = min(max(NOISE_MARGIN * floor, NOISE_DECAY * self.noise_floor), self.epsilon_max)
             lowest = max(self.epsilon_min, self.noise_floor)

@@ -150,8 +150,9 @@ def hub_options(init_kwargs: dict | None) -> dict:
             if key in WHERE_KEYS and value is not None and value != WHERE_KEYS[key]}
 
 
-# The recipes' built-in models (trl_gspo/launch/recipe.py): only `trl-gspo` builds them, and how Python does
-# (trl_gspo.quickstart; tests/test_model_source.py holds the names to the recipes').
+# The recipes' built-in models, and how Python builds them (trl_gspo.quickstart): only `trl-gspo` builds them by name.
+# Here, not in trl_gspo/launch/recipe.py (which imports them), because the trainers refuse the names and may not
+# import the launch side.
 BUILTIN_PREFIX = "builtin:"
 BUILTIN_BUILDERS = {
     "tiny-qwen3-moe": "tokenizer = build_tokenizer(); model = build_model(tokenizer)",
