@@ -349,3 +349,18 @@ def test_reward_names_come_from_trls_registry():
     assert registry["think_format_reward"] is trl.rewards.think_format_reward
     overlong = registry["get_soft_overlong_punishment"]  # max_completion_len=1280, soft_punish_cache=256
     assert overlong([[0] * 1000, [0] * 1280]) == [0.0, pytest.approx(-1.0)]
+
+
+def test_help_lists_every_option(capsys):
+    """`trl-gspo --help` (which the errors above point to) prints every option's help: argparse %-formats each help
+    string, so a bare percent sign in one would turn the help into an error."""
+    from transformers import HfArgumentParser
+
+    from trl_gspo.async_trainer.config import AsyncGSPOConfig
+
+    with pytest.raises(SystemExit) as exited:
+        main(["--help"])
+    out, err = capsys.readouterr()
+    assert exited.value.code == 0, err
+    assert "--clip_band_target" in out and "--loss_type" in out and "--routing_replay" in out
+    assert "--max_staleness" in HfArgumentParser(AsyncGSPOConfig).format_help()

@@ -96,7 +96,7 @@ CLIP_BAND_FIELDS = {
     "clip_band": dict(default="fixed", metadata={"help": CLIP_BAND_HELP}),
     "clip_band_target": dict(default=0.15, metadata={
         "help": "With clip_band='adaptive': the share of tokens of groups whose rewards differ the band aims to "
-        "clip (the GSPO paper reports ~15% of tokens clipped with its band on Qwen3-30B-A3B)."}),
+        "clip (the GSPO paper reports about 15 percent of tokens clipped with its band on Qwen3-30B-A3B)."}),
     "clip_band_min": dict(default=1e-5, metadata={
         "help": "With clip_band='adaptive': the narrowest epsilon the band may reach."}),
     "clip_band_max": dict(default=0.2, metadata={
