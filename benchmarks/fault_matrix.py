@@ -162,6 +162,27 @@ def table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def fault_table(rows: list[dict]) -> str:
+    """docs/results.md's table: one row per fault point over every layout and trainer it ran on (the full table,
+    one row per cell, is what the script prints)."""
+    lines = ["| fault | error on every rank | phase named | how the others stopped | last rank stopped (s after "
+             "fault) | cells passed |", "|---|---|---|---|---|---|"]
+    for fault in dict.fromkeys(row["cell"].split("@")[0] for row in rows):
+        run = [row for row in rows if row["cell"].split("@")[0] == fault]
+
+        def joined(key, run=run):
+            return ", ".join(dict.fromkeys(str(row[key]) for row in run))
+
+        stops = [row["stop_s"] for row in run if row["stop_s"] is not None]
+        stop = "-" if not stops else (f"{min(stops):.1f}" if f"{min(stops):.1f}" == f"{max(stops):.1f}"
+                                      else f"{min(stops):.1f}-{max(stops):.1f}")
+        how = ", ".join(dict.fromkeys("agreed raise" if row["how"] == "raised" else "store watch" for row in run))
+        passed = sum(1 for row in run if not row["problems"])
+        lines.append(f"| `{fault}` | `{joined('error')}` | {joined('phase')} | {how} | {stop} | "
+                     f"{passed} of {len(run)} |")
+    return "\n".join(lines)
+
+
 RESULTS, RELIABILITY = ROOT / "docs" / "results.md", ROOT / "docs" / "reliability.md"
 BEGIN, END = "<!-- fault matrix: benchmarks/fault_matrix.py --write-docs -->", "<!-- end of the fault matrix -->"
 
@@ -188,8 +209,8 @@ def _between_markers(path: Path, text: str) -> None:
 
 
 def write_docs(rows: list[dict], seconds: float, command: str) -> None:
-    """This run's table into docs/results.md and its summary per fault point into docs/reliability.md, each between
-    the page's markers, with what ran it."""
+    """This run's table per fault point into docs/results.md and its summary per layout into docs/reliability.md,
+    each between the page's markers, with what ran it."""
     import datetime
     import platform
 
@@ -201,7 +222,7 @@ def write_docs(rows: list[dict], seconds: float, command: str) -> None:
     source = (f"Measured {datetime.date.today().isoformat()} at {commit} on a {os_cpus()}-core CPU machine "
               f"({platform.machine()}, torch {torch.__version__}): `{command}`, {len(rows)} cells, {failed} failed, "
               f"{seconds / 60:.0f} min.")
-    _between_markers(RESULTS, source + "\n\n" + table(rows))
+    _between_markers(RESULTS, source + "\n\n" + fault_table(rows))
     _between_markers(RELIABILITY, summary(rows))
 
 

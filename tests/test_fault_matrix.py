@@ -42,3 +42,19 @@ def test_faults_on_one_rank_stop_the_others_through_the_watch(tmp_path, layout, 
     """A reward function that raises or never returns (the backstop, rank_wait_timeout 8 s), out of memory in one
     rank's backward, a full disk at a checkpoint: the others, waiting in a collective, stop with the same error."""
     _run(tmp_path, layout, [cell.format(r=LAYOUTS[layout])], None)
+
+
+def test_the_docs_table_has_one_row_per_fault_point():
+    """docs/results.md's table (`--write-docs`) folds the cells of a fault point into one row: the page stays within
+    its word budget whatever the matrix's size."""
+    from fault_matrix import fault_table
+
+    def row(layout, cell, stop, problems=()):
+        return {"layout": layout, "trainer": "gspo", "cell": cell, "error": "ValueError", "phase": "running a step",
+                "how": "raised", "stop_s": stop, "launch_s": 9.0, "problems": list(problems)}
+
+    rows = [row("ddp", "nan@0", 0.1), row("zero3", "nan@1", 0.2), row("ddp", "oom@1", 3.0, ["rank 0 hung"])]
+    lines = fault_table(rows).splitlines()
+    assert len(lines) == 4, lines
+    assert lines[2] == "| `nan` | `ValueError` | running a step | agreed raise | 0.1-0.2 | 2 of 2 |"
+    assert lines[3].endswith("| 3.0 | 0 of 1 |")

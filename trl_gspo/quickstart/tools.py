@@ -266,7 +266,7 @@ def build_tool_model(
     model is so small that one thread beats two, by far on a busy machine. With ``output_dir`` the model and
     tokenizer are saved there (a directory vLLM can load). Returns ``(model, tokenizer)``, the model in eval mode.
 
-    What the defaults' cold start costs and what the model then samples: docs/results.md#the-tool-calling-quickstart.
+    What the defaults' cold start costs: docs/results.md#the-tool-calling-quickstart.
     """
     tokenizer = build_tool_tokenizer()
     model = build_model(tokenizer, config_overrides={**TOOL_MODEL_CONFIG, **(config_overrides or {})}, seed=seed)
