@@ -100,7 +100,13 @@ def test_every_layout_row_is_documented():
     assert list(_documented_rows()) == list(ROWS)
 
 
-@pytest.mark.parametrize("label", list(ROWS))
+# Left out of CI's time (`extended`), run before a release: rows whose code path another row runs in CI (one process
+# and ZeRO-2 fold as DDP does; FSDP v1 on `target_modules` keeps the adapters active as FSDP2 does).
+EXTENDED_ROWS = {"one process", "ZeRO-2, 2 processes", "FSDP v1, LoRA on `target_modules` only"}
+
+
+@pytest.mark.parametrize("label", [pytest.param(label, marks=pytest.mark.extended) if label in EXTENDED_ROWS
+                                   else label for label in ROWS])
 def test_lora_layout_trains_with_a_frozen_base_or_refuses_in_one_line(label, tmp_path):
     documented = dict(zip(["generation", "old_pass", "held", "inactive"], _documented_rows()[label]))
     result = _launch(tmp_path, label)

@@ -103,34 +103,50 @@ def _assert_same_weights(a: dict, b: dict):
 
 
 # ------------------------------------------------------------------ the documented command, shared output_dir
+class _PerBackend(dict):
+    """A module fixture's runs, one per backend, each made when a test first asks for it: a backend whose tests are
+    all deselected (`extended`) costs nothing."""
+
+    def __init__(self, make):
+        super().__init__()
+        self._make = make
+
+    def __missing__(self, backend):
+        self[backend] = self._make(backend)
+        return self[backend]
+
+
 @pytest.fixture(scope="module")
 def one_node_runs(tmp_path_factory):
     """The recipe on one node with two processes, per backend: what two nodes of one process each must reproduce
     (same world size, ranks and seeds, so the same completions)."""
-    runs = {}
-    for backend in CONFIGS:
+    def run(backend):
         tmp = tmp_path_factory.mktemp(f"one_node_{backend}")
         command = [sys.executable, "-m", "trl_gspo.launch.cli", "--config", str(_recipe(tmp)), "--accelerate_config",
                    str(CONFIGS[backend]), "--num_processes", "2", "--main_process_port", str(free_port()),
                    "--output_dir", str(tmp / "out")]
         [(code, _, stderr)] = _finish([_start(command)])
         assert code == 0, stderr[-3000:]
-        runs[backend] = tmp / "out"
-    return runs
+        return tmp / "out"
+    return _PerBackend(run)
 
 
 @pytest.fixture(scope="module")
 def two_node_runs(tmp_path_factory):
     """The documented command on two loopback nodes sharing output_dir, per backend: (output_dir, per-node results)."""
-    runs = {}
-    for backend in CONFIGS:
+    def run(backend):
         tmp = tmp_path_factory.mktemp(f"two_nodes_{backend}")
         out = tmp / "out"
-        runs[backend] = (out, _two_nodes(_recipe(tmp), backend, [out, out]))
-    return runs
+        return out, _two_nodes(_recipe(tmp), backend, [out, out])
+    return _PerBackend(run)
 
 
-@pytest.mark.parametrize("backend", list(CONFIGS))
+# ZeRO-3's variants: left out of CI's time (`extended`); DDP's run there. ZeRO-3 on several processes runs in CI in
+# tests/test_multiprocess.py and tests/test_fault_matrix.py.
+ZERO3_EXTENDED = ["ddp", pytest.param("zero3", marks=pytest.mark.extended)]
+
+
+@pytest.mark.parametrize("backend", ZERO3_EXTENDED)
 @pytest.mark.slow
 def test_documented_multinode_command_trains_like_one_node(backend, two_node_runs, one_node_runs):
     out, nodes = two_node_runs[backend]
@@ -159,12 +175,9 @@ def test_documented_multinode_command_trains_like_one_node(backend, two_node_run
     _assert_same_weights(_weights(out), _weights(one))
 
 
-# ZeRO-3's variant: left out of CI's time (`extended`); DDP's runs there, and ZeRO-3's two-node command above
-ZERO3_EXTENDED = ["ddp", pytest.param("zero3", marks=pytest.mark.extended)]
-
-
-@pytest.mark.parametrize("backend", ZERO3_EXTENDED)
+@pytest.mark.parametrize("backend", list(CONFIGS))
 @pytest.mark.slow
+@pytest.mark.extended  # left out of CI's time: the documented command's two nodes match one node (above) in CI
 def test_two_nodes_match_one_process(backend, tmp_path):
     """tests/scripts/multiprocess_run.py keys its sampling noise by (prompt, copy, position), so one process and two
     draw the same completions: two nodes must reproduce the one-process run (GRPO + routing replay)."""

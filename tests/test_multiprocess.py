@@ -52,6 +52,12 @@ TWO_PROCESSES = {
 }
 
 
+# ZeRO-2's variants of the comparisons below are left out of CI's time (`extended`) and run before a release: DDP and
+# ZeRO-3, its neighbours on either side, run in CI.
+ZERO2_EXTENDED = [pytest.param(backend, marks=pytest.mark.extended) if backend == "zero2" else backend
+                  for backend in TWO_PROCESSES]
+
+
 def _two_processes(backend):
     if backend != "ddp":
         pytest.importorskip("deepspeed")  # in the test extra; skipped only in a hand-made environment without it
@@ -64,7 +70,7 @@ def single_process_gspo(tmp_path_factory):
                    "--routing-replay", "none")
 
 
-@pytest.mark.parametrize("backend", list(TWO_PROCESSES))
+@pytest.mark.parametrize("backend", ZERO2_EXTENDED)
 def test_gspo_on_two_processes_matches_one(backend, single_process_gspo, tmp_path):
     one = single_process_gspo
     two = _launch(tmp_path, _two_processes(backend), "--loss-type", "gspo", "--routing-replay", "none")
@@ -122,7 +128,7 @@ def single_process_replay(tmp_path_factory):
     return _launch(tmp_path_factory.mktemp("replay1"), ONE_PROCESS)
 
 
-@pytest.mark.parametrize("backend", list(TWO_PROCESSES))
+@pytest.mark.parametrize("backend", ZERO2_EXTENDED)
 def test_routing_replay_on_two_processes_matches_one(backend, single_process_replay, tmp_path):
     """GRPO + routing replay: each rank records and replays its own tokens; the drift metrics sum token counts over
     ranks."""
@@ -132,25 +138,6 @@ def test_routing_replay_on_two_processes_matches_one(backend, single_process_rep
     assert_same_run(two, one, backend)
     rank0, rank1 = two["fingerprints"]
     assert len(rank0) == len(rank1) == 3 and not set(rank0) & set(rank1)  # each rank recorded its own routing
-
-
-def test_cli_quickstart_with_cold_start_on_two_ddp_processes(tmp_path):
-    """`trl-gspo` on the built-in model under two DDP processes: every rank takes part in the SFT cold start (a
-    rank-0-only cold start released the other rank from its barrier before the model existed), one summary is
-    printed, the final model is saved, and the process exits 0."""
-    command = [sys.executable, "-m", "trl_gspo.launch.cli",
-               "--config", str(ACCELERATE_CONFIGS.parent / "quickstart.yaml"),
-               "--accelerate_config", str(ACCELERATE_CONFIGS / "cpu_ddp.yaml"), "--main_process_port",
-               str(free_port()), "--output_dir", str(tmp_path / "out"), "--sft_steps", "20", "--max_steps", "4",
-               "--per_device_train_batch_size", "16", "--logging_steps", "2"]
-    result = subprocess.run(command, capture_output=True, text=True, timeout=600,
-                            env=cpu_env(OMP_NUM_THREADS="1"))
-    assert result.returncode == 0, result.stderr[-3000:]
-    assert result.stdout.count("trl-gspo run summary") == 1
-    assert "optimizer steps:       4" in result.stdout
-    state = json.loads((tmp_path / "out" / "trainer_state.json").read_text())
-    assert state["global_step"] == 4
-    assert (tmp_path / "out" / "model.safetensors").is_file()
 
 
 def test_two_process_resume_in_the_middle_of_a_rollout_batch_is_exact(tmp_path):
@@ -182,7 +169,7 @@ def single_process_r3(tmp_path_factory):
     return _launch(tmp_path_factory.mktemp("r3one"), ONE_PROCESS, "--routing-replay", "sampler")
 
 
-@pytest.mark.parametrize("backend", ["zero2", "zero3"])
+@pytest.mark.parametrize("backend", [pytest.param("zero2", marks=pytest.mark.extended), "zero3"])
 def test_rollout_routing_replay_on_two_processes_matches_one(backend, single_process_r3, tmp_path):
     """R3 (`routing_replay="sampler"`) under ZeRO-2/3: each rank records the routes of its own generation (under
     ZeRO-3 with the parameters gathered for generate) and replays them; two processes reproduce one."""

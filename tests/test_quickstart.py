@@ -79,9 +79,11 @@ def test_quickstart_recipe_learns(tmp_path):
 
 @pytest.mark.slow
 def test_quickstart_on_two_ddp_processes_prints_nothing_per_step_or_process(tmp_path):
-    """The README's DDP command, shortened (20 cold-start steps, 8 RL steps): it trains, and stderr holds neither a
-    line per step nor DDP's "find_unused_parameters=True ... did not find any unused parameters" (the cold start and
-    the recipe turn the search off: every weight of the tiny model is used in every forward)."""
+    """The README's DDP command, shortened (20 cold-start steps, 8 RL steps): every rank takes part in the SFT cold
+    start (a rank-0-only cold start released the other rank from its barrier before the model existed), one summary
+    is printed, the final model is saved, and stderr holds neither a line per step nor DDP's
+    "find_unused_parameters=True ... did not find any unused parameters" (the cold start and the recipe turn the
+    search off: every weight of the tiny model is used in every forward)."""
     steps = 8
     result = subprocess.run(
         [sys.executable, "-m", "trl_gspo.launch.cli", "--config", str(ROOT / "recipes" / "quickstart.yaml"),
@@ -94,3 +96,6 @@ def test_quickstart_on_two_ddp_processes_prints_nothing_per_step_or_process(tmp_
     assert "find_unused_parameters" not in result.stderr, result.stderr[-3000:]
     assert_no_line_per_step(result.stderr, steps)
     assert json.loads((tmp_path / "ddp" / "trainer_state.json").read_text())["global_step"] == steps
+    assert result.stdout.count("trl-gspo run summary") == 1
+    assert f"optimizer steps:       {steps}" in result.stdout
+    assert (tmp_path / "ddp" / "model.safetensors").is_file()

@@ -58,6 +58,9 @@ def run_tool_turns(out_dir, layout, model_dir, expect_failure=False, env=None, *
 
 # ---------------------------------------------------------------- HF generate: DDP, ZeRO-2, ZeRO-3
 hf = [pytest.mark.slow]
+# Left out of CI's time (`extended`), run before a release: CI runs GSPO-token with R3, the pair compared with one
+# process, under DDP and ZeRO-3; these are the other losses, replay settings and ZeRO-2.
+hf_extended = [pytest.mark.slow, pytest.mark.extended]
 
 
 @pytest.fixture(scope="module")
@@ -68,9 +71,10 @@ def one_process_run(tool_model_dir, tmp_path_factory):
 
 
 @pytest.mark.parametrize("layout, loss_type, replay", [
-    pytest.param("ddp", "gspo_token", "sampler", marks=hf), pytest.param("ddp", "grpo", "sampler", marks=hf),
-    pytest.param("zero2", "gspo_token", "none", marks=hf), pytest.param("zero3", "gspo_token", "sampler", marks=hf),
-    pytest.param("zero3", "grpo", "none", marks=hf), pytest.param("zero3", "gspo", "none", marks=hf)])
+    pytest.param("ddp", "gspo_token", "sampler", marks=hf), pytest.param("ddp", "grpo", "sampler", marks=hf_extended),
+    pytest.param("zero2", "gspo_token", "none", marks=hf_extended),
+    pytest.param("zero3", "gspo_token", "sampler", marks=hf),
+    pytest.param("zero3", "grpo", "none", marks=hf_extended), pytest.param("zero3", "gspo", "none", marks=hf_extended)])
 def test_hf_generate_tool_turns_on_two_processes(layout, loss_type, replay, tool_model_dir, one_process_run, tmp_path):
     """Rank-divergent tool turns train under DDP, ZeRO-2 and ZeRO-3 (before the lockstep, ZeRO-3 with R3 failed in a
     tool turn: `synced_gpus` kept a finished rank's forwards going and R3 recorded them). The GSPO-token + R3 runs
@@ -92,6 +96,7 @@ def test_hf_generate_tool_turns_on_two_processes(layout, loss_type, replay, tool
 
 
 @pytest.mark.slow
+@pytest.mark.extended  # left out of CI's time: stock TRL's failure, shown; our ZeRO-3 fix runs in CI
 def test_stock_trl_tool_turns_under_zero3_break_on_a_collective_mismatch(tool_model_dir, tmp_path):
     """Stock TRL 1.16 `GRPOTrainer`, HF generate under ZeRO-3, the same rank-divergent turns: rank 1 leaves the tool
     loop while rank 0 gathers parameters for its next turn, so their collectives pair up wrongly. Measured: gloo
@@ -101,6 +106,7 @@ def test_stock_trl_tool_turns_under_zero3_break_on_a_collective_mismatch(tool_mo
 
 
 @pytest.mark.slow
+@pytest.mark.extended  # left out of CI's time: stock TRL's DDP run, shown; ours runs in CI
 def test_stock_trl_tool_turns_under_ddp_run_as_ours(tool_model_dir, tmp_path):
     """Under DDP, generation is local to each rank: TRL's own loop is right there, and GSPOTrainer leaves it alone."""
     assert_divergent_and_own(run_tool_turns(tmp_path, "ddp", tool_model_dir, trainer="stock", max_steps=4))

@@ -102,8 +102,11 @@ def _drift_warnings(result):
     return [w for w in result["warnings"] if w.startswith(("SAMPLER DRIFT", "SAMPLER GAP"))]
 
 
-@pytest.mark.parametrize("loss_type, correction", [("gspo", True), ("gspo", False), ("gspo_token", True),
-                                                   ("grpo", True), ("grpo", False)])
+# CI trains gspo and grpo with TRL's correction; the other pairs run before a release (`extended`).
+@pytest.mark.parametrize("loss_type, correction", [
+    ("gspo", True), pytest.param("gspo", False, marks=pytest.mark.extended),
+    pytest.param("gspo_token", True, marks=pytest.mark.extended), ("grpo", True),
+    pytest.param("grpo", False, marks=pytest.mark.extended)])
 def test_colocate_engine_trains(loss_type, correction, tmp_path):
     result = _run(tmp_path, loss_type=loss_type, vllm_importance_sampling_correction=correction)
     steps, rounds = _steps(result), _rounds(result)
@@ -191,6 +194,8 @@ def test_engine_samples_from_the_trained_weights_after_every_sync(tmp_path):
     assert any(w.startswith("SAMPLER DRIFT") for w in _drift_warnings(broken))
 
 
+@pytest.mark.extended  # left out of CI's time: the same guard's drift check runs in
+# test_engine_samples_from_the_trained_weights_after_every_sync, its floor in the fast suite (tests/test_old_logps.py)
 def test_a_sampler_wrong_from_the_first_round_is_announced_in_that_round(tmp_path):
     """An engine serving another checkpoint from the start (no weight sync reaches it) sets the first round's gap
     itself, so the drift check, which compares rounds with the first, cannot see it; the absolute floor does, in
@@ -218,7 +223,8 @@ def test_float32_engine_matches_the_float32_trainer(tmp_path):
     assert max(h["sampling/abs_log_ratio_mean"] for h in rounds) < 1e-5
 
 
-@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+# float32: left out of CI's time (`extended`); test_float32_engine_matches_the_float32_trainer runs that engine
+@pytest.mark.parametrize("dtype", ["bfloat16", pytest.param("float32", marks=pytest.mark.extended)])
 def test_colocate_engine_trains_on_the_sampler_logps(dtype, tmp_path):
     """`old_logps="sampler"` (GSPO paper Sec. 5.4) with R3 on a real engine: every round's old-policy pass is answered
     with vLLM's log-probs (no scoring forward runs), and the gap is measured on the sampling weights (the first
@@ -259,6 +265,8 @@ def test_all_zero_routes_from_a_silent_capture_are_refused(tmp_path):
 
 
 # ---------------------------------------------------------------- the flagship layouts: tensor parallel, server mode
+@pytest.mark.extended  # left out of CI's time: each rank's slice of TP 2's routes is checked
+# in CI by test_tensor_parallel_2_rank_divergent_tool_turns_r3
 def test_tensor_parallel_2_r3_keeps_each_ranks_slice_of_the_routes(tmp_path):
     """TRL's colocate layout with vllm_tensor_parallel_size=2: two training processes form one TP group, gather
     their prompts, both engines generate all of them and each rank keeps its slice. Each rank's every policy pass
@@ -303,7 +311,8 @@ def vllm_server(tmp_path_factory):
         yield url, trainer_dir
 
 
-@pytest.mark.parametrize("processes", [1, 2])
+# One process: left out of CI's time (`extended`); two processes take the same path plus the process slice
+@pytest.mark.parametrize("processes", [pytest.param(1, marks=pytest.mark.extended), 2])
 def test_server_mode_r3_replays_the_routes_the_server_returned(vllm_server, tmp_path, processes):
     """Server mode: the server's answer holds each completion's routes; the main process reads them, every rank
     keeps TRL's process slice. Every policy pass equals a model copy scored with the server's routes (decoded by
@@ -353,7 +362,9 @@ def _assert_flat(memory):
     assert mean("rss_mb", late) - mean("rss_mb", early) < 30, [round(r["rss_mb"]) for r in memory]
 
 
-@pytest.mark.parametrize("mode", [pytest.param("colocate", marks=pytest.mark.extended), "server"])  # CI: server's
+# Both left out of CI's time (`extended`): 60 rounds is a release check; R3's per-round path runs in CI above.
+@pytest.mark.parametrize("mode", [pytest.param("colocate", marks=pytest.mark.extended),
+                                  pytest.param("server", marks=pytest.mark.extended)])
 def test_r3_memory_is_flat_over_60_rounds(mode, vllm_server, tmp_path):
     """A long run holds flat: R3 (routes recorded, laid out and replayed every round) over 60 generation rounds, RSS
     and the tensors alive in the trainer's process measured after each round."""
@@ -459,6 +470,8 @@ def test_prompt_routes_from_the_prefix_cache_are_the_computed_ones_and_travel_on
     assert len(first["choices"]) == 3 and len(second["choices"]) == 1
 
 
+@pytest.mark.extended  # left out of CI's time: a killed server's stop and resume run in
+# CI; the stall timeout itself is tested against a fake server (tests/test_server_watch.py)
 def test_a_server_frozen_mid_run_stops_training_and_the_run_resumes_once_it_thaws(small_block_server, tmp_path):
     """A hung server (SIGSTOP to its process group as a round's request goes out: it neither answers nor dies, and
     TRL's client alone would wait forever): with vllm_server_stall_timeout 20 s the trainer stops with one error that
@@ -629,6 +642,8 @@ def _replayed_the_engine_routes(result):
         assert checks["max_natural_diff"] > 1e-3
 
 
+@pytest.mark.extended  # left out of CI's time: rank-divergent turns with R3 run in CI at TP 2
+# and in server mode
 def test_colocate_tp1_two_processes_rank_divergent_tool_turns_r3(tool_model_dir, tmp_path):
     """One engine per rank: TRL's loop is right here (no collective in a turn), and R3 stitches each rank's own."""
     from support.tool_turn_runs import assert_divergent_and_own
@@ -651,6 +666,8 @@ def test_tensor_parallel_2_rank_divergent_tool_turns_r3(tool_model_dir, tmp_path
     _replayed_the_engine_routes(result)
 
 
+@pytest.mark.extended  # left out of CI's time: ZeRO-3 with an engine per rank runs in CI
+# (test_two_processes_under_zero3_each_with_its_engine), TP 2's turns too
 def test_tensor_parallel_2_under_zero3_rank_divergent_tool_turns(tool_model_dir, tmp_path):
     """The flagship's layout (ZeRO-3 beside TP-2 engines), grpo without replay, weights synced every round."""
     from support.tool_turn_runs import assert_divergent_and_own
@@ -698,6 +715,8 @@ def test_server_mode_two_processes_rank_divergent_tool_turns_r3(vllm_tool_server
     _replayed_the_engine_routes(result)
 
 
+@pytest.mark.extended  # left out of CI's time: stock TRL's failure, shown; our server-mode
+# fix runs in CI
 def test_stock_trl_in_server_mode_misroutes_then_breaks(vllm_tool_server, tmp_path):
     """Stock TRL 1.16, two processes on the server, rank-divergent turns. Turn 1 (8 and 4 samples): TRL's process slice
     gives rank 1 4 completions generated from rank 0's histories, with no error. Turn 2: rank 0 gathers its
