@@ -107,10 +107,12 @@ _NO_LOGPROBS = ("`old_logps`: 'sampler', but this rollout returned no sampler lo
 class SamplerOldLogps:
     """The `old_logps="sampler"` state of one trainer. `band`: returns the clip band in use (eps_low, eps_high), for
     the outside-band share and the warning (it moves with `clip_band="adaptive"`); `dtypes`: (sampler, trainer)
-    compute dtype names, for the warning."""
+    compute dtype names, for the warning; `warns`: whether the band clips whole sequences in this run's loss (GSPO's
+    types). TRL's token losses clip each token at their own, far wider, band, which a precision gap does not reach:
+    the share is still logged, the warning would be false."""
 
-    def __init__(self, band: Callable[[], tuple[float, float]], dtypes: tuple[str, str]):
-        self.band, self.dtypes = band, dtypes
+    def __init__(self, band: Callable[[], tuple[float, float]], dtypes: tuple[str, str], warns: bool = True):
+        self.band, self.dtypes, self.warns = band, dtypes, warns
         self.skipped_passes = 0  # old-policy passes answered with the sampler's log-probs
         self.rounds = 0  # training rollouts whose gap was measured
         self._logprobs = None  # this round's sampler log-probs, one list per completion (TRL's `_generate`)
@@ -134,7 +136,9 @@ class SamplerOldLogps:
             logger.warning(f"old_logps='sampler' with {', '.join(truncating)}: the sampler reports log-probs of the "
                            "truncated distribution while the trainer scores the tempered one, so every importance "
                            "ratio includes the truncation. Fix: leave these options unset, or old_logps='trainer'.")
-        return cls(band, dtypes)
+        from ..config import GSPO_LOSS_TYPES
+
+        return cls(band, dtypes, warns=trainer.loss_type in GSPO_LOSS_TYPES)
 
     # ------------------------------------------------------------------ generation round
     def start_round(self, training: bool) -> None:
@@ -213,7 +217,7 @@ class SamplerOldLogps:
         values = reduce_mismatch(accelerator, self._sums, self._extremes)
         self._measuring, self._sums, self._extremes = False, None, None
         self.rounds += 1
-        message = gap_warning(values, self.band(), self.dtypes, first=self.rounds == 1)
+        message = gap_warning(values, self.band(), self.dtypes, first=self.rounds == 1) if self.warns else None
         if message is not None and not self._warned:  # once, at the first rollout where it happens
             logger.warning(message)
             self._warned = True
