@@ -1050,7 +1050,9 @@ def test_async_grpo_config_fields_async_gspo_builds_on():
     own = {f.name for f in dataclasses.fields(AsyncGSPOConfig)} - set(trl_fields)
     assert own == {"loss_type", "routing_replay", "delta", "staleness_correction", "staleness_weight_cap",
                    "exact_lora_merge", "clip_band", "clip_band_target", "clip_band_min", "clip_band_max",
-                   "rank_wait_timeout"}
+                   "rank_wait_timeout", "sapo_temperature_pos", "sapo_temperature_neg", "vespo_k_pos",
+                   "vespo_lambda_pos", "vespo_k_neg", "vespo_lambda_neg"}  # the last six: GRPOConfig's, for the
+    # losses AsyncGRPOConfig does not run
     args = AsyncGRPOConfig(output_dir="unused", use_cpu=True, report_to="none")
     assert args.accelerator_config.dispatch_batches is True and args.accelerator_config.split_batches is True
 

@@ -3,7 +3,8 @@
 Equation numbers refer to *Group Sequence Policy Optimization* (Zheng et al., arXiv 2507.18071).
 Shapes: ``B`` completions (a group of ``G`` per prompt, several groups per batch), ``T`` completion
 positions. ``mask`` is 1 on valid completion tokens and 0 on padding. Nothing here knows about TRL, so any
-framework that has per-token log-probabilities can call these functions.
+framework that has per-token log-probabilities can call these functions (VESPO's Gamma weight is passed in:
+`vespo_loss` takes TRL's `GRPOTrainer.get_gamma_weights` from its caller).
 
 All ratio arithmetic is done in at least float32, whatever the dtype of the log-probabilities: GSPO's clip
 band (3e-4) is far below bf16 resolution (7.8e-3 near 1.0).
@@ -36,6 +37,13 @@ __all__ = [
     "adaptive_entropy_coef",
     "entropy_window_stats",
     "adaptive_clip_epsilon",
+    "LOSS_REDUCTIONS",
+    "luspo_loss",
+    "sapo_loss",
+    "cispo_loss",
+    "vespo_loss",
+    "packed_policy_loss",
+    "step_loss",
 ]
 
 
@@ -60,6 +68,11 @@ class PolicyLossOutput:
             length-normalised log weight of the proximal policy against the behaviour policy; else None.
         behaviour_weight: decoupled objective only: ``(B,)`` the weight applied (truncated, or 0 where masked).
         weight_capped: decoupled objective only: ``(B,)`` completions whose weight the cap truncated or masked.
+        reduction: how a batch's objective is taken from the per-completion losses (`step_loss`): ``"sequence"``, a
+            plain mean of ``per_sequence_loss`` over completions; ``"token"`` (CISPO, VESPO), a mean of
+            ``per_token_loss`` over the batch's valid tokens, ``per_sequence_loss`` then being each completion's
+            token sum. LUSPO's ``per_sequence_loss`` is its length times GSPO's term (the token sum).
+        gamma_weight: VESPO only: ``(B,)`` the Gamma weight ``phi(w_i)`` applied (detached); else None.
     """
 
     per_token_loss: torch.Tensor
@@ -71,6 +84,8 @@ class PolicyLossOutput:
     behaviour_log_weight: torch.Tensor | None = None
     behaviour_weight: torch.Tensor | None = None
     weight_capped: torch.Tensor | None = None
+    reduction: str = "sequence"
+    gamma_weight: torch.Tensor | None = None
 
     @property
     def ratio(self) -> torch.Tensor:
@@ -395,6 +410,209 @@ def gspo_packed_loss(
                                    token_level=token_level, weight_cap=weight_cap, weight_mode=weight_mode, **clip)
     loss = gspo_token_loss if token_level else gspo_loss
     return loss(logps_rows, old_rows, advantage_rows, mask, **clip)
+
+
+# How TRL 1.16's `GRPOTrainer._compute_loss` normalises each loss type, as `step_loss` applies it: "sequence", a plain
+# mean over the batch's completions ("grpo" and "sapo": of each completion's token mean; "luspo": of its token sum);
+# "token", a mean over the batch's valid tokens (`num_items_in_batch`: "cispo", "vespo"). GSPO's is Eq. 5's mean.
+LOSS_REDUCTIONS = {"gspo": "sequence", "gspo_token": "sequence", "luspo": "sequence", "sapo": "sequence",
+                   "cispo": "token", "vespo": "token"}
+
+
+def _no_clip(mask: torch.Tensor) -> torch.Tensor:
+    return torch.zeros_like(mask, dtype=torch.bool)
+
+
+def _loss_inputs(logps, old_logps, advantages, mask, check_inputs, per_token: bool):
+    """Shared checks of the losses below: shapes, NaN/Inf, and the advantages as ``(B, T)`` (``per_token``) or
+    ``(B,)``; returns (compute dtype, valid mask, padding-zeroed log-probs, token log ratios, advantages)."""
+    _check_shapes(logps, old_logps, mask)
+    batch, length = logps.shape
+    if advantages.dim() == 2 and advantages.shape[1] == 1:
+        advantages = advantages[:, 0]
+    if per_token and advantages.dim() == 1:
+        advantages = advantages[:, None].expand(-1, length)
+    wanted = (batch, length) if per_token else (batch,)
+    if tuple(advantages.shape) != wanted:
+        raise ValueError(f"`advantages` must have shape {wanted} (or (B,) / (B, 1)), got {tuple(advantages.shape)}.")
+    if check_inputs:  # one device-to-host sync for the three checks
+        raise_if_nonfinite(nonfinite_counts(logps, old_logps, advantages, mask).tolist())
+    dtype = _compute_dtype(logps, old_logps)
+    valid = mask.bool()
+    zero = torch.zeros((), dtype=dtype, device=logps.device)
+    # Padding may hold NaN/Inf: select, never multiply, so backward never computes 0 * NaN.
+    token_logps = torch.where(valid, logps.to(dtype), zero)
+    token_log_ratio = torch.where(valid, logps.to(dtype) - old_logps.to(dtype), zero)
+    advantages = advantages.to(dtype)
+    if per_token:
+        advantages = torch.where(valid, advantages, zero)
+    return dtype, valid, token_logps, token_log_ratio, advantages
+
+
+def luspo_loss(
+    logps: torch.Tensor,
+    old_logps: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    eps_low: float = 3e-4,
+    eps_high: float = 4e-4,
+    check_inputs: bool = True,
+    delta: float | None = None,
+) -> PolicyLossOutput:
+    """LUSPO (arXiv 2602.05261; TRL's ``loss_type="luspo"`` with ``importance_sampling_level="sequence"``): GSPO's
+    clipped sequence term (:func:`gspo_loss`, same ratio, band and ``delta``) weighted by the completion's length:
+
+    ``J(theta) = (1/G) sum_i |y_i| min(s_i A_i, clip(s_i, 1 - eps_low, 1 + eps_high) A_i)``
+
+    ``per_token_loss`` is :func:`gspo_loss`'s (the term at each valid token); ``per_sequence_loss`` its token sum."""
+    out = gspo_loss(logps, old_logps, advantages, mask, eps_low=eps_low, eps_high=eps_high, check_inputs=check_inputs,
+                    delta=delta)
+    out.per_sequence_loss = out.per_sequence_loss * mask.sum(-1).to(out.per_sequence_loss.dtype)
+    return out
+
+
+def sapo_loss(
+    logps: torch.Tensor,
+    old_logps: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    temperature_pos: float = 1.0,
+    temperature_neg: float = 1.05,
+    check_inputs: bool = True,
+) -> PolicyLossOutput:
+    """SAPO (arXiv 2511.20347; TRL's ``loss_type="sapo"``, token ratios as TRL's default level): no hard clip; each
+    token's ratio ``r_i,t = pi_theta(y_i,t) / pi_old(y_i,t)`` passes a soft gate,
+
+    ``f(r) = (4 / tau) sigmoid(tau (r - 1))``, ``tau = temperature_pos`` where ``A_i,t > 0``, else ``temperature_neg``
+
+    ``J(theta) = (1/G) sum_i (1/|y_i|) sum_t f(r_i,t) A_i,t``
+
+    ``f'(1) = 1`` (on-policy: the policy gradient), decaying as ``r`` leaves 1. Advantages ``(B,)`` or ``(B, T)``;
+    nothing is marked clipped."""
+    dtype, valid, _, token_log_ratio, advantages = _loss_inputs(logps, old_logps, advantages, mask, check_inputs,
+                                                                per_token=True)
+    zero = torch.zeros((), dtype=dtype, device=logps.device)
+    ratio = torch.exp(token_log_ratio)
+    temperature = torch.where(advantages > 0, torch.tensor(temperature_pos, dtype=dtype, device=logps.device),
+                              torch.tensor(temperature_neg, dtype=dtype, device=logps.device))
+    gate = torch.sigmoid(temperature * (ratio - 1.0)) * 4.0 / temperature
+    token_loss = torch.where(valid, -gate * advantages, zero)
+    none = _no_clip(mask)
+    return PolicyLossOutput(per_token_loss=token_loss, per_sequence_loss=masked_sequence_mean(token_loss, mask),
+                            log_ratio=masked_sequence_mean(token_log_ratio, mask).detach(), low_clipped=none,
+                            high_clipped=none, delta_clipped=none)
+
+
+def cispo_loss(
+    logps: torch.Tensor,
+    old_logps: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    eps_high: float = 5.0,
+    check_inputs: bool = True,
+) -> PolicyLossOutput:
+    """CISPO (MiniMax-M1, arXiv 2506.13585; TRL's ``loss_type="cispo"``, token ratios as TRL's default level): the
+    token's importance weight, capped at ``eps_high`` (TRL's ``epsilon_high``, an absolute cap: ScaleRL's
+    ``eps_max``) and detached, times its log-probability, a mean over the batch's ``N`` valid tokens:
+
+    ``J(theta) = (1/N) sum_i sum_t sg[min(r_i,t, eps_high)] A_i,t log pi_theta(y_i,t)``
+
+    Every token keeps a gradient; the cap bounds its weight. ``high_clipped``: the tokens whose weight the cap bound
+    (``r_i,t > eps_high``, any advantage sign; TRL's ``cispo_clip_ratio`` counts those with ``A > 0`` only).
+    ``reduction="token"``: ``per_sequence_loss`` is each completion's token sum."""
+    if not eps_high > 0:
+        raise ValueError(f"CISPO's weight cap eps_high must be > 0, got {eps_high}.")
+    dtype, valid, token_logps, token_log_ratio, advantages = _loss_inputs(logps, old_logps, advantages, mask,
+                                                                           check_inputs, per_token=True)
+    zero = torch.zeros((), dtype=dtype, device=logps.device)
+    ratio = torch.exp(token_log_ratio).detach()
+    weight = torch.clamp(ratio, max=eps_high)
+    token_loss = torch.where(valid, -weight * advantages * token_logps, zero)
+    return PolicyLossOutput(per_token_loss=token_loss, per_sequence_loss=token_loss.sum(-1),
+                            log_ratio=masked_sequence_mean(token_log_ratio, mask).detach(), low_clipped=_no_clip(mask),
+                            high_clipped=(ratio > eps_high) & valid, delta_clipped=_no_clip(mask), reduction="token")
+
+
+def vespo_loss(
+    logps: torch.Tensor,
+    old_logps: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    gamma_weights,
+    k_pos: float = 2.0,
+    lambda_pos: float = 3.0,
+    k_neg: float = 3.0,
+    lambda_neg: float = 2.0,
+    check_inputs: bool = True,
+) -> PolicyLossOutput:
+    """VESPO (arXiv 2602.10693; TRL's ``loss_type="vespo"``): no hard clip; each completion's log-probability gradient
+    weighted by a Gamma function of its sequence ratio ``w_i = exp(sum_t log r_i,t)`` (a product, not GSPO's
+    length-normalised mean), a mean over the batch's ``N`` valid tokens:
+
+    ``phi(w) = e^lambda w^k e^(-lambda w)`` (``phi(1) = 1``), ``k, lambda = k_pos, lambda_pos`` where ``A_i >= 0``
+    else ``k_neg, lambda_neg``
+
+    ``J(theta) = (1/N) sum_i sum_t sg[phi(w_i)] A_i log pi_theta(y_i,t)``
+
+    ``gamma_weights``: TRL's ``GRPOTrainer.get_gamma_weights`` (its clamps of the log ratio included), which computes
+    ``phi``; this module imports no TRL. Advantages one per sequence. ``reduction="token"``; ``gamma_weight`` holds
+    ``phi(w_i)``; nothing is marked clipped."""
+    dtype, valid, token_logps, token_log_ratio, advantages = _loss_inputs(logps, old_logps, advantages, mask,
+                                                                           check_inputs, per_token=False)
+    zero = torch.zeros((), dtype=dtype, device=logps.device)
+    phi = gamma_weights(advantages=advantages[:, None], log_ratio_per_token=token_log_ratio.detach(),
+                        mask=mask.to(dtype), importance_sampling_ratio=None, k_pos=k_pos, lambda_pos=lambda_pos,
+                        k_neg=k_neg, lambda_neg=lambda_neg)[:, 0].detach().to(dtype)
+    token_loss = torch.where(valid, -(phi * advantages)[:, None] * token_logps, zero)
+    none = _no_clip(mask)
+    return PolicyLossOutput(per_token_loss=token_loss, per_sequence_loss=token_loss.sum(-1),
+                            log_ratio=masked_sequence_mean(token_log_ratio, mask).detach(), low_clipped=none,
+                            high_clipped=none, delta_clipped=none, reduction="token", gamma_weight=phi)
+
+
+def packed_policy_loss(
+    loss_type: str,
+    logps: torch.Tensor,
+    old_logps: torch.Tensor,
+    advantages: torch.Tensor,
+    segment_id: torch.Tensor,
+    num_segments: int | None = None,
+    check_inputs: bool = True,
+    **options,
+) -> PolicyLossOutput:
+    """The loss ``loss_type`` (a key of `LOSS_REDUCTIONS`) on packed rows, as :func:`gspo_packed_loss` lays them out
+    (``logps``, ``old_logps``, ``advantages``, ``segment_id`` ``(M,)``, one entry per packed target): "gspo" /
+    "gspo_token" are :func:`gspo_packed_loss` (``options`` its own); the others unpack the completions and call
+    :func:`luspo_loss`, :func:`sapo_loss`, :func:`cispo_loss` or :func:`vespo_loss` with ``options``. LUSPO and VESPO
+    take one advantage per completion (checked as :func:`gspo_packed_loss` checks gspo's, unless ``check_inputs`` is
+    False); SAPO and CISPO take them per target. Returns the padded form, one row per completion."""
+    if loss_type not in LOSS_REDUCTIONS:
+        raise ValueError(f"loss_type {loss_type!r} is not one of {tuple(LOSS_REDUCTIONS)}.")
+    if loss_type in ("gspo", "gspo_token"):
+        return gspo_packed_loss(logps, old_logps, advantages, segment_id, token_level=loss_type == "gspo_token",
+                                num_segments=num_segments, check_inputs=check_inputs, **options)
+    logps_rows, old_rows, advantage_rows, mask = unpack_segments(segment_id, logps, old_logps, advantages,
+                                                                 num_segments=num_segments)
+    if loss_type in ("luspo", "vespo"):
+        first = advantage_rows[:, :1]
+        if check_inputs and mask.any() and bool(((advantage_rows - first).abs() * mask).amax() > 0):
+            raise ValueError(f"`advantages` differ within a completion: {loss_type} takes one advantage per sequence.")
+        # a row holding only empty completions (no target) has width 0: their advantage is never read
+        advantage_rows = first[:, 0] if first.shape[1] else advantage_rows.new_zeros(advantage_rows.shape[0])
+    loss = {"luspo": luspo_loss, "sapo": sapo_loss, "cispo": cispo_loss, "vespo": vespo_loss}[loss_type]
+    return loss(logps_rows, old_rows, advantage_rows, mask, check_inputs=check_inputs, **options)
+
+
+def step_loss(out: PolicyLossOutput, completions, tokens):
+    """This batch's share of an optimizer step's objective, the step holding ``completions`` completions and
+    ``tokens`` valid tokens over all its batches (every micro-batch, every rank): ``per_sequence_loss.sum() /
+    completions`` (``out.reduction == "sequence"``) or ``per_token_loss.sum() / tokens`` ("token"), each count at least
+    1. Summed over the step's batches: TRL's `GRPOTrainer` loss on the step's completions padded into one batch (its
+    mean over the batch's completions for grpo / sapo / luspo, over ``num_items_in_batch`` tokens for cispo / vespo),
+    however the completions were split into batches or packed into rows."""
+    if out.reduction == "token":
+        return out.per_token_loss.sum() / torch.as_tensor(tokens, dtype=out.per_token_loss.dtype).clamp(min=1.0)
+    return out.per_sequence_loss.sum() / torch.as_tensor(completions, dtype=out.per_sequence_loss.dtype).clamp(min=1.0)
 
 
 WEIGHT_MODES = ("truncate", "mask")

@@ -4,8 +4,9 @@ TRL's asynchronous trainer generates with a vLLM server while it trains: a rollo
 trainer streams its weights to the server after each optimizer step, and samples up to `max_staleness + 1` weight
 versions old (its loader fetches one micro-batch ahead of a sync) are trained on with the sampler's log-probs as
 pi_old (never recomputed). Its loss is token-level only. This subclass adds `loss_type="gspo"` / `"gspo_token"`
-(the GSPO paper's Eq. 5-7 / 13-14, arXiv 2507.18071) on TRL's packed rows, where one row holds many completions
-told apart by `segment_id`:
+(the GSPO paper's Eq. 5-7 / 13-14, arXiv 2507.18071), and TRL's successors "luspo", "sapo", "cispo", "vespo" as
+`GRPOTrainer` computes them (`trl_gspo.losses.packed_policy_loss`, normalised by `step_loss`), on TRL's packed rows,
+where one row holds many completions told apart by `segment_id`:
 
     s_i = exp( (1/|y_i|) sum_t log pi_theta(y_i,t) / pi_old(y_i,t) )     over completion i's trained tokens only
 
@@ -44,12 +45,13 @@ from trl.experimental.async_grpo.async_grpo_trainer import (
     _EmptyIterableDataset,
 )
 from trl.experimental.async_grpo.async_rollout_worker import _AsyncRolloutLoop
+from trl.trainer.grpo_trainer import GRPOTrainer
 from trl.trainer.utils import pad
 
 from .. import metrics as gspo_metrics
 from ..config import GSPO_LOSS_TYPES, band_description, default_output_dir, launch_summary
 from ..lora_merge import exact_sync_stream, merge_calls_skipped
-from ..losses import gspo_packed_loss, nonfinite_counts, unpack_segments
+from ..losses import LOSS_REDUCTIONS, nonfinite_counts, packed_policy_loss, step_loss, unpack_segments
 from ..ranks.phases import SYNC, RanksStopTogether, kept_failures, named_server_failures, rank_wait_timeout
 from ..ranks.watch import phase
 from ..ranks import FailedElsewhere
@@ -57,17 +59,21 @@ from ..routing.replay import RoutingReplay
 from ..trainer.clip_band import AdaptiveClipBand, ClipBandStep, band_columns, band_stats, group_rewards_differ
 from ..trainer.lora import exact_sync_model
 from ..trainer.model_checks import check_model_source, hub_options
-from .config import AsyncGSPOConfig
+from .config import SEQUENCE_BAND_LOSS_TYPES, SOFT_LOSS_TYPES, AsyncGSPOConfig
 from .routing import RoutedRolloutLoop, packed_routes
 
 logger = logging.get_logger(__name__)
 
 
-# The count each logged mean is taken over (the rest are extremes, spreads or per-rank gauges).
+# The count each logged mean is taken over (the rest are extremes, spreads or per-rank gauges); `policy_loss`'s is
+# the loss's own (`LOSS_REDUCTIONS`: over completions, or over tokens for cispo / vespo).
 _RATE_COUNTS = {"clip_ratio/low_mean": "completions", "clip_ratio/high_mean": "completions",
-                "clip_ratio/region_mean": "completions", "policy_loss": "completions", "gspo/ratio_mean": "nonempty",
+                "clip_ratio/region_mean": "completions", "gspo/ratio_mean": "nonempty",
                 "entropy": "tokens", "gspo/clipped_token_fraction": "tokens",
                 "gspo/delta_clipped_token_fraction": "tokens"}
+# What a loss without a hard clip (sapo, vespo) does not log: nothing is ever clipped.
+_CLIP_METRICS = ("clip_ratio/low_mean", "clip_ratio/low_min", "clip_ratio/high_mean", "clip_ratio/high_max",
+                 "clip_ratio/region_mean", "gspo/clipped_token_fraction")
 
 
 # Whether a sample's group's rewards differ (what the adaptive band reads), a key of the sample's `metrics`: set by
@@ -166,10 +172,23 @@ class _VersionedRolloutCollator(DataCollatorForRollout):
 def async_setup_summary(args) -> str:
     """What an `AsyncGSPOConfig` resolves to, in one line: the loss, its clip band, what pi_old is, the staleness bound,
     and the values the config filled in for fields left unset."""
+    objective = ("pi_old is the sampler's log-probs" if args.staleness_correction == "none" else
+                 f"the decoupled objective (staleness_correction={args.staleness_correction!r})")
     if args.loss_type in GSPO_LOSS_TYPES:
-        objective = ("pi_old is the sampler's log-probs" if args.staleness_correction == "none" else
-                     f"the decoupled objective (staleness_correction={args.staleness_correction!r})")
         loss = f"{band_description(args)}; {objective}"
+    elif args.loss_type == "luspo":
+        loss = f"GSPO's sequence term times the completion's length, {band_description(args)}; {objective}"
+    elif args.loss_type == "cispo":
+        loss = (f"each token's importance weight capped at epsilon_high={args.epsilon_high:g} and detached, times "
+                f"its log-prob; a mean over the step's tokens; {objective}")
+    elif args.loss_type == "sapo":
+        loss = (f"no hard clip: each token's ratio r through the soft gate (4/tau) sigmoid(tau (r - 1)), tau="
+                f"{args.sapo_temperature_pos:g} for A > 0, {args.sapo_temperature_neg:g} otherwise; a mean over "
+                f"each completion's tokens, then over completions; {objective}")
+    elif args.loss_type == "vespo":
+        loss = (f"no hard clip: each completion's log-prob weighted by TRL's Gamma weight of its sequence ratio (k, "
+                f"lambda = {args.vespo_k_pos:g}, {args.vespo_lambda_pos:g} for A >= 0; {args.vespo_k_neg:g}, "
+                f"{args.vespo_lambda_neg:g} otherwise); a mean over the step's tokens; {objective}")
     else:
         high = args.epsilon if args.epsilon_high is None else args.epsilon_high
         loss = f"TRL's token-level loss, epsilon={args.epsilon:g}, epsilon_high={high:g}"
@@ -204,10 +223,11 @@ class AsyncGSPOTrainer(RanksStopTogether, AsyncGRPOTrainer):
         self._packed_groups = _PackedGroups()
         self._policy_version = 0  # the weight version the policy holds, on every rank (`_sync_weight`)
         self._step_completions = None  # the optimizer step's completions over every rank (`get_batch_samples`)
+        self._step_tokens = None  # and its trained tokens (the loss tokens of cispo / vespo)
         super().__init__(model, reward_funcs, args, *pargs, **kwargs)
         self._exact_lora = exact_sync_model(self)  # LoRA synced as W + delta out of place (trainer/lora.py), or None
         self._adaptive_band = (AdaptiveClipBand.build(args, self.epsilon_low, self.epsilon_high)
-                               if self.loss_type in GSPO_LOSS_TYPES else None)  # clip_band="adaptive", or None
+                               if self.loss_type in SEQUENCE_BAND_LOSS_TYPES else None)  # clip_band="adaptive", or None
         # The optimizer step at which the server last received these weights: until the next step, a sample of the
         # policy's own version was sampled by these weights, and its ratio measures the sampler's noise (clip_band.py).
         self._synced_at_step = None
@@ -312,11 +332,12 @@ class AsyncGSPOTrainer(RanksStopTogether, AsyncGRPOTrainer):
 
     def get_batch_samples(self, epoch_iterator, num_batches, device):
         """Transformers' trainer fetches every micro-batch of an optimizer step before it trains the first. The packer
-        gives each its completion count over all ranks, so their sum is the step's count, on every rank, before any
-        forward: one sum of device scalars, no communication, no host read."""
+        gives each its completion (and TRL's its trained-token) count over all ranks, so their sums are the step's
+        counts, on every rank, before any forward: sums of device scalars, no communication, no host read."""
         batch_samples, num_items_in_batch = super().get_batch_samples(epoch_iterator, num_batches, device)
-        counts = [batch["global_n_sequences"][0] for batch in batch_samples if "global_n_sequences" in batch]
-        self._step_completions = sum(counts) if len(counts) == len(batch_samples) and counts else None
+        for attribute, key in (("_step_completions", "global_n_sequences"), ("_step_tokens", "global_n_tokens")):
+            counts = [batch[key][0] for batch in batch_samples if key in batch]
+            setattr(self, attribute, sum(counts) if len(counts) == len(batch_samples) and counts else None)
         return batch_samples, num_items_in_batch
 
     def _set_signature_columns_if_needed(self):
@@ -350,8 +371,25 @@ class AsyncGSPOTrainer(RanksStopTogether, AsyncGRPOTrainer):
         self._metrics["train"]["routing/unrouted_token_fraction"].append((tokens - routed_tokens, tokens))
         return loss
 
+    def _loss_options(self) -> dict:
+        """The options `packed_policy_loss` takes for this loss type, from the band in use and the config."""
+        args = self.args
+        if self.loss_type in SEQUENCE_BAND_LOSS_TYPES:
+            return {"eps_low": self.epsilon_low, "eps_high": self.epsilon_high, "delta": args.delta}
+        if self.loss_type == "cispo":
+            return {"eps_high": self.epsilon_high}
+        if self.loss_type == "sapo":
+            return {"temperature_pos": args.sapo_temperature_pos, "temperature_neg": args.sapo_temperature_neg}
+        return {"gamma_weights": GRPOTrainer.get_gamma_weights, "k_pos": args.vespo_k_pos,
+                "lambda_pos": args.vespo_lambda_pos, "k_neg": args.vespo_k_neg, "lambda_neg": args.vespo_lambda_neg}
+
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
-        if self.loss_type not in GSPO_LOSS_TYPES:
+        """The loss of `loss_type` on this rank's packed row (`packed_policy_loss`) as this micro-batch's share of the
+        optimizer step's objective (`step_loss`): TRL's `GRPOTrainer` normalisation taken over the whole step (every
+        rank, every micro-batch), a plain mean over its completions (gspo types, luspo, sapo) or over its trained
+        tokens (cispo, vespo: TRL's `num_items_in_batch`), whatever the packer put in each micro-batch. DDP/FSDP
+        average gradients over ranks, so each rank's share is multiplied by the world size. "grpo": TRL's own."""
+        if self.loss_type not in LOSS_REDUCTIONS:
             return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
         if return_outputs:
             raise ValueError("AsyncGSPOTrainer.compute_loss does not return model outputs (TRL's does not either).")
@@ -370,19 +408,15 @@ class AsyncGSPOTrainer(RanksStopTogether, AsyncGRPOTrainer):
         if self.args.staleness_correction != "none":  # proximal policy: these weights (each sample trains once)
             decoupled = dict(proximal_logps=logps.detach(), weight_cap=self.args.staleness_weight_cap,
                              weight_mode=self.args.staleness_correction)
-        out = gspo_packed_loss(logps, behaviour, advantages, segment_id, token_level=self.loss_type == "gspo_token",
-                               num_segments=ages.numel(), eps_low=self.epsilon_low, eps_high=self.epsilon_high,
-                               delta=self.args.delta, check_inputs=False, **decoupled)
-        # A plain mean over the optimizer step's completions (every rank's, every micro-batch's), whatever the packer
-        # put in each micro-batch: DDP/FSDP average gradients over ranks, so each rank divides its sum by the step's
-        # count over the world size. Driven by hand (no `get_batch_samples`), the micro-batch is taken as 1 / steps.
+        out = packed_policy_loss(self.loss_type, logps, behaviour, advantages, segment_id, num_segments=ages.numel(),
+                                 check_inputs=False, **self._loss_options(), **decoupled)
+        # Driven by hand (no `get_batch_samples`): the step taken as accumulation-steps micro-batches like this one.
         world = self.accelerator.num_processes
-        micro_batch = inputs["global_n_sequences"][0]
-        step = self._step_completions
-        if step is None:
-            step = micro_batch * self.current_gradient_accumulation_steps
-        loss = out.per_sequence_loss.sum() * world / step.clamp(min=1.0)
-        policy_loss = out.per_sequence_loss.sum().detach() * world / micro_batch.clamp(min=1.0)  # logged per micro-batch
+        micro = inputs["global_n_sequences"][0], inputs["global_n_tokens"][0]
+        step = [count if count is not None else micro[k] * self.current_gradient_accumulation_steps
+                for k, count in enumerate((self._step_completions, self._step_tokens))]
+        loss = step_loss(out, *step) * world
+        policy_loss = step_loss(out, *micro).detach() * world  # logged per micro-batch
         if self.aux_loss_enabled:
             loss = loss + self.router_aux_loss_coef * aux_loss / self.current_gradient_accumulation_steps
 
@@ -430,13 +464,17 @@ class AsyncGSPOTrainer(RanksStopTogether, AsyncGRPOTrainer):
     def _log_gspo_metrics(self, out, mask, entropies, policy_loss, ages, aux_loss, nonfinite, band_columns=None):
         """`GSPOTrainer`'s `gspo/*`, `clip_ratio/*`, `entropy`, `policy_loss` (trl_gspo/metrics.py), over every rank,
         and per sample age the clipped completions as a (clipped, count) rate; with the decoupled objective, the
-        sequence weights (mean, max, capped fraction) overall and per age. One reduce, one gather, one host read; the
-        NaN/Inf counts ride in the reduce, so every rank raises together."""
+        sequence weights (mean, max, capped fraction) overall and per age. A loss without a hard clip (sapo, vespo)
+        logs no clip metric; vespo logs TRL's `vespo/phi_seq_mean`, its Gamma weight's mean over completions. One
+        reduce, one gather, one host read; the NaN/Inf counts ride in the reduce, so every rank raises together."""
         buckets = self.args.max_staleness + 2  # read at most max_staleness old, then possibly one sync later
         clipped = (out.low_clipped | out.high_clipped).any(-1).float()
         age = ages.clamp(0, buckets - 1)
         by_age = torch.stack([torch.zeros(buckets, device=clipped.device).index_add_(0, age, clipped),
-                              torch.bincount(age, minlength=buckets).float()])
+                              torch.bincount(age, minlength=buckets).float()]).flatten()
+        if out.gamma_weight is not None:  # vespo: [phi sum, completions] after the age buckets
+            phi = out.gamma_weight.float()
+            by_age = torch.cat([by_age, torch.stack([phi.sum(), torch.ones_like(phi).sum()])])
         weighted = out.behaviour_weight is not None
         columns = []
         if weighted:  # per-sequence columns 5-8 of the gathered rows
@@ -458,13 +496,19 @@ class AsyncGSPOTrainer(RanksStopTogether, AsyncGRPOTrainer):
             extra_columns=torch.cat(columns, 1) if columns else None, ranks_differ=True,
             row_stats=row_stats if columns else None)
         counts = {"tokens": read.tokens, "completions": read.completions, "nonempty": read.nonempty}
+        rate_counts = {**_RATE_COUNTS, "policy_loss": "tokens" if out.reduction == "token" else "completions"}
+        hard_clip = self.loss_type not in SOFT_LOSS_TYPES
         # Means over completions or tokens go to TRL's logger as (sum, count) rates: over a logging window of unequal
         # micro-batches each completion (token) then counts once, as in the loss.
         for name, value in read.values.items():
-            count = counts.get(_RATE_COUNTS.get(name))
+            if name in _CLIP_METRICS and not hard_clip:
+                continue
+            count = counts.get(rate_counts.get(name))
             self._metrics["train"][name].append(value if count is None else (value * count, count))
-        clipped_by_age, count_by_age = read.extra_sums[:buckets], read.extra_sums[buckets:]
-        for k in range(buckets):
+        clipped_by_age, count_by_age = read.extra_sums[:buckets], read.extra_sums[buckets:2 * buckets]
+        if out.gamma_weight is not None:
+            self._metrics["train"]["vespo/phi_seq_mean"].append(tuple(read.extra_sums[2 * buckets:]))
+        for k in range(buckets if hard_clip else 0):
             if count_by_age[k]:
                 self._metrics["train"][f"gspo/clipped_sequence_fraction/age_{k}"].append(
                     (clipped_by_age[k], count_by_age[k]))

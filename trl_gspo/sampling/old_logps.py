@@ -123,7 +123,8 @@ class SamplerOldLogps:
         self._warned = False
 
     @classmethod
-    def build(cls, trainer, band: Callable[[], tuple[float, float]], dtypes: tuple[str, str]) -> SamplerOldLogps | None:
+    def build(cls, trainer, band: Callable[[], tuple[float, float]], dtypes: tuple[str, str],
+              warns: bool = True) -> SamplerOldLogps | None:
         """For a GRPOTrainer once TRL built it: None unless `old_logps="sampler"`. Turns TRL's vLLM IS correction off
         (pi_old / pi_sampler = 1) and warns when the sampler's processed log-probs are not the tempered policy's."""
         if getattr(trainer.args, "old_logps", "trainer") != "sampler":
@@ -136,9 +137,7 @@ class SamplerOldLogps:
             logger.warning(f"old_logps='sampler' with {', '.join(truncating)}: the sampler reports log-probs of the "
                            "truncated distribution while the trainer scores the tempered one, so every importance "
                            "ratio includes the truncation. Fix: leave these options unset, or old_logps='trainer'.")
-        from ..config import GSPO_LOSS_TYPES
-
-        return cls(band, dtypes, warns=trainer.loss_type in GSPO_LOSS_TYPES)
+        return cls(band, dtypes, warns)
 
     # ------------------------------------------------------------------ generation round
     def start_round(self, training: bool) -> None:

@@ -80,7 +80,8 @@ class GSPOTrainer(RanksStopTogether, CheckpointMixin, ToolTurnsMixin, GRPOTraine
                                            dtypes)
         self._adapter_layer = _first_adapter_layer(base)
         # old_logps="sampler", or None; it compares the sampler's gap with the band in use (`_clip_band`)
-        self._sampler_logps = SamplerOldLogps.build(self, self._clip_band, dtypes)
+        self._sampler_logps = SamplerOldLogps.build(self, self._clip_band, dtypes,
+                                                     warns=self.loss_type in GSPO_LOSS_TYPES)
         self._routing = TrainerRouting.build(base, self.args, runs_old_policy_pass(self.args))
         self._replay_stack, self._replay_opened = None, False  # open while a micro-batch runs forward and backward
         self._lora = TrainerLora.build(self)  # LoRA folded for rollouts and weight syncs, base untouched; or None
