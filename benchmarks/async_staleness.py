@@ -2,10 +2,15 @@
 versions old, as in asynchronous RL (`AsyncGSPOTrainer`), against TRL's asynchronous token-level loss (eps 0.2),
 GSPO with a bound for negative advantages (`gspo_delta`: `delta=2`, two-sided clip) and GSPO with a band 10x wider
 (`gspo_wide`: 3e-3 / 4e-3), and GSPO with R3 (`gspo_r3`: the sampler's routes, recorded in its own forward over
-the sampled tokens, forced in the training forward), with a float32 or a bfloat16 sampler.
+the sampled tokens, forced in the training forward), and TRL 1.16's sequence-level successors of GSPO as
+`AsyncGSPOTrainer` runs them, each with `AsyncGSPOConfig`'s defaults (`luspo`, `vespo`, `sapo`, `cispo`; `LOSSES`),
+with a float32 or a bfloat16 sampler.
 
 Task: the quickstart's single-digit addition (exact-match reward) on its tiny Qwen3-MoE after the noisy SFT cold start
-(600 steps, 50% correct answers; built once and cached, as benchmarks/sampler_likelihoods.py builds it).
+(600 steps, 50% correct answers; built once and cached, as benchmarks/sampler_likelihoods.py builds it). Its answers
+differ in length: a sum of two digits 0-9 is 0-18, so 45% of the prompts' answers have two digits (3 tokens with
+<eos>, against 2); the exact-match reward pays the right sum whatever its length, so it favours no length. The harder
+task: the same with a weaker cold start (`--sft-correct-fraction 0.1`: 10% correct answers).
 
 Each step: 4 prompts x 8 completions sampled by HF generate from the policy as it was k optimizer steps earlier (the
 first k steps: the initial policy), in float32 or in bfloat16; pi_old = the sampler's own log-probs (never
@@ -16,17 +21,26 @@ trainer's loss step by step so every sample's age is exactly k: through `trainer
 batch ahead of the weight sync (measured, tests/test_async_trainer.py), so ages there are k or k + 1.
 
 Per arm (loss x staleness x sampler dtype), over seeds:
-- `clipped seq`: share of completions whose ratio was clipped (gspo: sequence ratio; grpo: any token clipped);
+- `clipped seq`: share of completions whose ratio was clipped (gspo, luspo: sequence ratio; grpo: any token clipped;
+  cispo: any token's weight capped at epsilon_high; sapo, vespo: nan, no hard clip);
 - `clipped tok`: share of completion tokens whose objective was the clipped term;
 - `max|log s|`: the largest |sequence log-ratio| of a step (current policy vs the sampler), mean over steps;
 - `R3 drift`: with R3, the share of (token, layer) routes whose natural top-k in the training forward differs from
   the sampler's (`routing/replay_drift`), mean over steps;
 - `reward first / last`: mean reward over the first and the last 20% of steps (the sampler's samples: a stale
-  sampler's reward lags the policy by k steps).
+  sampler's reward lags the policy by k steps);
+- `len first / last`: mean completion length over the first and the last 20% of steps, in tokens with the <eos>
+  (TRL's `completions/mean_length`, which TRL's rollout worker logs and this benchmark, standing in for it, computes
+  by the same rule; each step's figure is in the runs file as `mean_length`); `--loss-table` adds the last window's
+  length over the correct answer's (`answer_length`, the same prompts for every arm at a seed).
 
     python benchmarks/async_staleness.py             # 3 seeds, 150 steps, staleness 0 1 2 4: ~25 min on 2 cores
     python benchmarks/async_staleness.py --quick     # 1 seed, 30 steps, staleness 0 and 4
     python benchmarks/async_staleness.py --summarize runs.json more_runs.json   # one table over earlier --out files
+    python benchmarks/async_staleness.py --summarize runs.json --loss-table     # one row per loss, by staleness
+
+The full loss table's commands (every sequence-level loss and TRL's token loss; `FULL_TABLE`) and its run count:
+the end of `--help`, and the top of `--loss-table`'s output.
 
 Last line, exactly: `async_staleness: <arm> <reward last> ...`.
 """
@@ -68,9 +82,27 @@ LOSSES = {"gspo": dict(loss_type="gspo", **PAPER), "gspo_delta": dict(loss_type=
                                 routing_replay="sampler"),
           # TRL's token loss with a sequence-level truncated correction (`seq_tis_loss`): the token ratio against the
           # trainer's weights, each token weighed by min(prod_t pi_prox / mu, 2), the un-normalised product.
-          "grpo_seq_tis": dict(loss_type="grpo")}
+          "grpo_seq_tis": dict(loss_type="grpo"),
+          # TRL 1.16's sequence-level successors of GSPO, each with AsyncGSPOConfig's defaults. LUSPO (GSPO's term
+          # times the completion's length) clips GSPO's sequence ratio with GSPO's band, unset: the band set by the run
+          # (clip_band="adaptive", from the paper's 3e-4 / 4e-4), as `gspo_adaptive`; `luspo_paper`: the paper's band,
+          # fixed, as `gspo`. VESPO (a Gamma weight of the sequence ratio, k / lambda 2 / 3 and 3 / 2) and SAPO (a
+          # sigmoid gate, temperatures 1.0 / 1.05) have no hard clip; CISPO caps each token's weight at 5.0.
+          "luspo": dict(loss_type="luspo"), "luspo_paper": dict(loss_type="luspo", **PAPER),
+          "vespo": dict(loss_type="vespo"), "sapo": dict(loss_type="sapo"), "cispo": dict(loss_type="cispo")}
 SEQ_TIS_CAP = 2.0
 PROMPTS, GROUP, MAX_NEW = 4, 8, 4
+# The full loss table (`--loss-table`): every sequence-level loss (the paper's band, the band set by the run, TRL's
+# successors) and TRL's token loss, in this order; at these stalenesses, seeds, learning rate and steps; per setting
+# (cold start's correct fraction, sampler dtypes, runs file): float32 and bfloat16 samplers on the quickstart's task,
+# float32 on the harder task (the cold start of the published harder-task runs: 10% correct).
+LOSS_TABLE = ("gspo", "gspo_adaptive", "luspo", "vespo", "sapo", "cispo", "grpo")
+FULL_TABLE = dict(staleness=(0, 1, 4, 16), seeds=4, lr=5e-4, steps=150,
+                  settings=((0.5, "float32,bfloat16", "loss_table_quickstart.json"),
+                            (0.1, "float32", "loss_table_harder.json")))
+# Seconds a 150-step run took, two at a time on 2 cores: the mean over the 352 runs of
+# benchmarks/clip_band_results/async_*.json (the clip band tables' runs).
+SECONDS_PER_RUN = 47
 
 
 def seq_tis_loss(trainer, model, inputs):
@@ -118,8 +150,11 @@ def one_run(spec: dict) -> dict:
     torch.manual_seed(spec["seed"])
     model_dir, staleness, dtype = spec["model_dir"], spec["staleness"], getattr(torch, spec["dtype"])
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    args = AsyncGSPOConfig(output_dir=spec["output_dir"], use_cpu=True, report_to="none", disable_tqdm=True,
-                           save_strategy="no", seed=spec["seed"], learning_rate=spec.get("lr", 5e-4),
+    # bf16=False said, not left to TRL's default (True): the trainer computes in float32, as the tables say. The
+    # steps are driven by hand (no `train()`, so accelerate never wraps the forward in autocast): the runs published
+    # before this line was added also trained in float32 (on-policy, k = 0, no ratio moved).
+    args = AsyncGSPOConfig(output_dir=spec["output_dir"], use_cpu=True, bf16=False, report_to="none",
+                           disable_tqdm=True, save_strategy="no", seed=spec["seed"], learning_rate=spec.get("lr", 5e-4),
                            max_steps=spec["steps"],
                            max_staleness=staleness, token_budget=0, **LOSSES[spec["loss"]])
     trainer = AsyncGSPOTrainer(model=model_dir, args=args, train_dataset=make_rl_dataset(8, seed=0),
@@ -142,6 +177,7 @@ def one_run(spec: dict) -> dict:
         sampler.load_state_dict(versions[0])  # the policy `staleness` steps ago (cast to the sampler's dtype)
         rows = data[step * PROMPTS:(step + 1) * PROMPTS]
         samples, rewards, equal_groups = [], [], 0
+        lengths, answer_lengths, truncated = [], [], 0  # per completion, in tokens with the <eos>
         for group, (prompt, answer) in enumerate(zip(rows["prompt"], rows["answer"])):
             prompt_ids = tokenizer(prompt)["input_ids"]
             with torch.no_grad():
@@ -162,6 +198,11 @@ def one_run(spec: dict) -> dict:
                 completions.append(completion)
                 texts.append(tokenizer.decode(completion))
             reward = np.array(exact_match_reward(texts, answer=[answer] * GROUP), dtype=float)
+            # TRL's rollout worker's `completions/mean_length` (completion tokens, the <eos> included) and
+            # `completions/clipped_ratio` (no <eos>: cut off at MAX_NEW); the correct answer's length, the same rule
+            lengths.extend(len(completion) for completion in completions)
+            truncated += sum(completion[-1:] != [tokenizer.eos_token_id] for completion in completions)
+            answer_lengths.extend([len(tokenizer(answer, add_special_tokens=False)["input_ids"]) + 1] * GROUP)
             advantages = (reward - reward.mean()) / (reward.std() + 1e-8)  # TRL's rollout worker's rule
             differ = bool(reward.max() > reward.min())  # what the trainer's rollout loop marks (GroupRewardsLoop)
             equal_groups += not differ  # every completion the same reward: nothing to learn
@@ -209,14 +250,18 @@ def one_run(spec: dict) -> dict:
             clipped_seq, clipped_tok = logged["clip_ratio/region_mean"], logged["gspo/clipped_token_fraction"]
             log_ratio = logged["gspo/behaviour_log_weight_abs_max"]
             capped = logged["gspo/behaviour_weight/capped_fraction"]
-        else:
-            clipped_seq, clipped_tok = logged["clip_ratio/region_mean"], logged["gspo/clipped_token_fraction"]
+        else:  # gspo types and TRL's successors; sapo and vespo (no hard clip) log no clip metric: NaN
+            clipped_seq = logged.get("clip_ratio/region_mean", float("nan"))
+            clipped_tok = logged.get("gspo/clipped_token_fraction", float("nan"))
             log_ratio = logged["gspo/log_ratio_abs_max"]
         drift = logged.get("routing/replay_drift")
         steps.append({"reward": statistics.fmean(rewards), "clipped_seq": clipped_seq, "clipped_tok": clipped_tok,
                       "log_ratio_abs_max": log_ratio, "loss": float(loss), "capped": capped,
                       "replay_drift": drift[0] / drift[1] if drift else float("nan"),
                       "equal_groups": equal_groups / PROMPTS,
+                      "mean_length": statistics.fmean(lengths), "answer_length": statistics.fmean(answer_lengths),
+                      "truncated": truncated / len(lengths),
+                      "phi_seq_mean": float(logged.get("vespo/phi_seq_mean", float("nan"))),  # vespo's Gamma weight
                       # the adaptive band: the epsilon this step trained with, the noise floor under it, and the
                       # share of learnable tokens it clipped (what the rule reads; NaN on a step without signal)
                       "epsilon": logged.get("gspo/clip_epsilon_low", trainer.epsilon_low),
@@ -234,14 +279,20 @@ def summarize(run: dict) -> dict:
         values = [v for v in values if v == v]
         return statistics.fmean(values) if values else float("nan")
 
+    excess = [{"excess": s["mean_length"] - s["answer_length"]} for s in steps[-fifth:] if "mean_length" in s]
     return {"reward_first": mean("reward", steps[:fifth]), "reward_last": mean("reward", steps[-fifth:]),
             "clipped_seq": mean("clipped_seq", steps), "clipped_tok": mean("clipped_tok", steps),
             "log_ratio_abs_max": mean("log_ratio_abs_max", steps), "replay_drift": mean("replay_drift", steps),
-            "capped": mean("capped", steps)}
+            "capped": mean("capped", steps),
+            # completion length (runs files from before it was logged: NaN): the first and last 20% of steps, and
+            # the last window's length over the correct answer's
+            "length_first": mean("mean_length", steps[:fifth]), "length_last": mean("mean_length", steps[-fifth:]),
+            "length_excess_last": mean("excess", excess), "truncated_last": mean("truncated", steps[-fifth:])}
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], epilog=full_table_text(),
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="1 seed, 30 steps, staleness 0 and 4")
     parser.add_argument("--seeds", type=int, default=3)
     parser.add_argument("--first-seed", type=int, default=0, help="seeds first-seed .. first-seed + seeds - 1")
@@ -254,7 +305,8 @@ def main():
     parser.add_argument("--sft-steps", type=int, default=600, help="cold-start steps (the quickstart's 600)")
     parser.add_argument("--sft-correct-fraction", type=float, default=0.5,
                         help="share of correct answers in the cold start's data (the quickstart's 0.5); lower gives a "
-                             "weaker policy whose groups mostly get equal rewards (0.05: the harder task)")
+                             "weaker policy whose groups mostly get equal rewards (0.1: the harder task of the "
+                             "published tables)")
     parser.add_argument("--cache", default=os.path.join(tempfile.gettempdir(), "trl_gspo_bench"))
     parser.add_argument("--out", help="write every run's per-step figures here (JSON)")
     parser.add_argument("--summarize", nargs="+", metavar="RUNS_JSON",
@@ -264,6 +316,10 @@ def main():
     parser.add_argument("--band-table", action="store_true",
                         help="with --summarize: the adaptive band against the fixed bands and TRL's token loss, per "
                              "learning rate, sampler and staleness (markdown)")
+    parser.add_argument("--loss-table", action="store_true",
+                        help="with --summarize: one row per loss, the last-window reward per staleness (mean ± "
+                             "standard error, seeds) and the completion length, per task, learning rate and sampler "
+                             "(markdown), under the full table's command")
     parser.add_argument("--one", help=argparse.SUPPRESS)  # internal: one run in this process
     options = parser.parse_args()
     if options.one:
@@ -273,6 +329,8 @@ def main():
         runs = [(entry.pop("spec"), entry) for path in options.summarize for entry in json.loads(Path(path).read_text())]
         if options.band_table:
             print_band_table(runs)
+        elif options.loss_table:
+            print_loss_table(runs)
         elif options.markdown:
             print_markdown(runs)
         else:
@@ -333,8 +391,8 @@ def print_table(runs, what, versus="grpo"):
         return statistics.fmean(last), (statistics.stdev(last) if len(last) > 1 else float("nan")), len(last)
 
     print(f"\n{'loss':<13} {'sampler':<8} {'k':>2} {'clipped seq':>11} {'clipped tok':>11} {'max|log s|':>10} "
-          f"{'capped':>6} {'R3 drift':>8} {'reward first':>12} {'reward last':>16} seeds {'vs ' + versus:>16}   "
-          f"(means, +- standard deviation over seeds; {what})")
+          f"{'capped':>6} {'R3 drift':>8} {'len first':>9} {'len last':>8} {'reward first':>12} {'reward last':>16} "
+          f"seeds {'vs ' + versus:>16}   (means, +- standard deviation over seeds; {what}; len: completion tokens)")
     for (loss, dtype, k), summaries in arms.items():
         def mean(key):
             return statistics.fmean(s[key] for s in summaries)
@@ -348,6 +406,7 @@ def print_table(runs, what, versus="grpo"):
         spread_text = f" +-{sd:.3f}" if n > 1 else ""
         print(f"{loss:<13} {dtype:<8} {k:>2} {mean('clipped_seq'):>11.3f} {mean('clipped_tok'):>11.3f} "
               f"{mean('log_ratio_abs_max'):>10.2e} {mean('capped'):>6.3f} {mean('replay_drift'):>8.3f} "
+              f"{mean('length_first'):>9.3f} {mean('length_last'):>8.3f} "
               f"{mean('reward_first'):>12.3f} {last:>10.3f}{spread_text:<7} {n:>4} {compare:>17}")
     print("async_staleness: " + " ".join(
         f"{loss}:{dtype}:k{k} {statistics.fmean(s['reward_last'] for s in summaries):.3f}"
@@ -392,6 +451,87 @@ def print_markdown(runs, versus="grpo"):
         key = "clipped_tok" if loss == versus else "clipped_seq"
         print(f"| {loss} | {dtype} | " + " | ".join(share(loss, dtype, k, key) for k in stalenesses) + " | "
               + " | ".join(share(loss, dtype, k, "capped").replace("nan", "-") for k in stalenesses) + " |")
+
+
+def full_table() -> tuple[list[str], int]:
+    """The commands that run the full loss table (`FULL_TABLE`) and print it, and its number of runs."""
+    staleness, seeds = ",".join(map(str, FULL_TABLE["staleness"])), FULL_TABLE["seeds"]
+    commands, runs = [], 0
+    for fraction, dtypes, out in FULL_TABLE["settings"]:
+        task = "" if fraction == 0.5 else f" --sft-correct-fraction {fraction:g}"
+        commands.append(f"python benchmarks/async_staleness.py --losses {','.join(LOSS_TABLE)} --staleness {staleness} "
+                        f"--seeds {seeds} --lr {FULL_TABLE['lr']:g} --steps {FULL_TABLE['steps']} --dtypes {dtypes}"
+                        f"{task} --out {out}")
+        runs += len(LOSS_TABLE) * len(FULL_TABLE["staleness"]) * seeds * len(dtypes.split(","))
+    outs = " ".join(out for *_, out in FULL_TABLE["settings"])
+    commands.append(f"python benchmarks/async_staleness.py --summarize {outs} --loss-table")
+    return commands, runs
+
+
+def full_table_text() -> str:
+    """The full loss table's command (one shell command over several lines) and its run count and time."""
+    commands, runs = full_table()
+    settings = sum(len(dtypes.split(",")) for _, dtypes, _ in FULL_TABLE["settings"])
+    hours = runs * SECONDS_PER_RUN / 2 / 3600
+    return (f"the full loss table: {len(LOSS_TABLE)} losses x k = {','.join(map(str, FULL_TABLE['staleness']))} x "
+            f"{FULL_TABLE['seeds']} seeds x {settings} settings (float32 and bfloat16 samplers on the quickstart's "
+            f"task, float32 on the harder task) = {runs} runs, about {hours:.1f} h with --jobs 2 on 2 cores "
+            f"({SECONDS_PER_RUN} s a run) plus the cold starts (built once, cached):\n" + " && \\\n".join(commands))
+
+
+def print_loss_table(runs):
+    """One markdown table per task, learning rate, sampler and step count over the runs given (their seeds
+    together): one row per loss (`LOSS_TABLE`'s first, in its order, then the others run), per staleness k the
+    last-window reward (mean ± standard error over seeds, seeds in brackets), then the mean completion length in the
+    first and the last 20% of steps over the row's runs (every k) and the last window's length over the correct
+    answer's (mean ± standard error over those runs); then the same lengths per staleness. Printed first: the full
+    table's command (`full_table_text`)."""
+    import _band_table
+
+    print(full_table_text())
+    cells = {}
+    for spec, run in runs:
+        key = (spec.get("sft_correct_fraction", 0.5), spec.get("lr", 5e-4), spec["dtype"], spec["steps"])
+        cells.setdefault(key, {}).setdefault(spec["loss"], {}).setdefault(spec["staleness"], []).append(summarize(run))
+
+    def order(loss):
+        return (LOSS_TABLE.index(loss) if loss in LOSS_TABLE else len(LOSS_TABLE),
+                list(LOSSES).index(loss) if loss in LOSSES else len(LOSSES), loss)
+
+    def known(summaries, key):
+        return [s[key] for s in summaries if s[key] == s[key]]  # NaN: a runs file from before lengths were logged
+
+    def lengths(summaries):
+        first, last = known(summaries, "length_first"), known(summaries, "length_last")
+        return "-" if not last else f"{statistics.fmean(first):.2f} → {statistics.fmean(last):.2f} ({len(last)})"
+
+    def excess(summaries):
+        values = known(summaries, "length_excess_last")
+        if not values:
+            return "-"
+        se = statistics.stdev(values) / len(values) ** 0.5 if len(values) > 1 else float("nan")
+        return f"{statistics.fmean(values):+.3f} ± {se:.3f} ({len(values)})"
+
+    for key in sorted(cells, key=lambda c: (-c[0], -c[1], c[2] != "float32", c[3])):
+        task, lr, dtype, steps = key
+        losses = cells[key]
+        ks = sorted({k for by_k in losses.values() for k in by_k})
+        name = "the quickstart's task" if task == 0.5 else f"the harder task (cold start {task:g} correct)"
+        print(f"\n{name}, learning rate {lr:g}, {dtype} sampler, {steps} steps: reward over the last 20% of steps, "
+              "mean ± standard error (seeds); completion length in tokens with <eos>, first → last 20% of steps "
+              "(runs), and over the correct answer's, last 20%\n")
+        print("| loss | " + " | ".join(f"k = {k}" for k in ks) + " | length first → last | length over answer |")
+        print("|---" * (len(ks) + 3) + "|")
+        for loss in sorted(losses, key=order):
+            by_k = losses[loss]
+            rewards = [_band_table.mean_se([s["reward_last"] for s in by_k[k]]) if k in by_k else "-" for k in ks]
+            every = [s for k in ks for s in by_k.get(k, [])]
+            print(f"| {loss} | " + " | ".join([*rewards, lengths(every), excess(every)]) + " |")
+        print("\n| loss | " + " | ".join(f"length k = {k}" for k in ks) + " |")
+        print("|---" * (len(ks) + 1) + "|")
+        for loss in sorted(losses, key=order):
+            print(f"| {loss} | " + " | ".join(lengths(losses[loss][k]) if k in losses[loss] else "-" for k in ks)
+                  + " |")
 
 
 # The band table's arms (benchmarks/_band_table.py) by this benchmark's loss names.

@@ -164,25 +164,34 @@ def test_sampler_likelihoods_compares_both_sources_of_pi_old(tmp_path):
 
 
 def test_async_staleness_trains_each_arm_and_summarizes_its_runs(tmp_path):
-    """GSPO, the adaptive band and the decoupled objective at staleness 0 and 2 for a few steps (a 20-step cold
-    start); then `--summarize` rebuilds the same table from the runs file, and `--band-table` sets the adaptive band
-    against the fixed one."""
-    runs = tmp_path / "runs.json"
-    lines = _run(BENCHMARKS / "async_staleness.py", "--losses", "gspo,gspo_adaptive,dec_trunc2", "--dtypes", "float32",
-                 "--staleness", "0,2", "--seeds", "1", "--steps", "6", "--sft-steps", "20", "--cache", tmp_path,
-                 "--out", runs)
+    """GSPO and the adaptive band at staleness 0 and 2, the decoupled objective and VESPO (a loss without a hard clip)
+    at 2, for a few steps (a 20-step cold start); then `--summarize` rebuilds the same table from the two runs files,
+    `--band-table` sets the adaptive band against the fixed one, and `--loss-table` gives one row per loss (reward per
+    staleness, completion lengths) under the full table's command."""
+    script, runs, more = BENCHMARKS / "async_staleness.py", tmp_path / "runs.json", tmp_path / "more_runs.json"
+    common = ["--dtypes", "float32", "--seeds", "1", "--steps", "6", "--sft-steps", "20", "--cache", tmp_path]
+    lines = _run(script, "--losses", "gspo,gspo_adaptive", "--staleness", "0,2", *common, "--out", runs)
+    more_lines = _run(script, "--losses", "dec_trunc2,vespo", "--staleness", "2", *common, "--out", more)
     number = r"\d\.\d+"
     assert re.fullmatch(rf"async_staleness: gspo:float32:k0 {number} gspo:float32:k2 {number} "
-                        rf"gspo_adaptive:float32:k0 {number} gspo_adaptive:float32:k2 {number} "
-                        rf"dec_trunc2:float32:k0 {number} dec_trunc2:float32:k2 {number}", lines[-1]), lines[-1]
-    rows = {(row[0], row[2]): row for row in (line.split() for line in lines) if row[:2] in (["gspo", "float32"],
-                                                                                       ["dec_trunc2", "float32"])}
+                        rf"gspo_adaptive:float32:k0 {number} gspo_adaptive:float32:k2 {number}", lines[-1]), lines[-1]
+    assert re.fullmatch(rf"async_staleness: dec_trunc2:float32:k2 {number} vespo:float32:k2 {number}",
+                        more_lines[-1]), more_lines[-1]
+    rows = {(row[0], row[2]): row for row in (line.split() for line in lines + more_lines)
+            if len(row) > 2 and row[1] == "float32"}
+    assert set(rows) == {("gspo", "0"), ("gspo", "2"), ("gspo_adaptive", "0"), ("gspo_adaptive", "2"),
+                         ("dec_trunc2", "2"), ("vespo", "2")}
     assert float(rows["gspo", "0"][3]) == 0.0 and float(rows["gspo", "2"][3]) > 0  # 2 versions old: clipped
     # The decoupled objective: the band against the trainer's own weights never binds; the sampler gap is measured.
     assert float(rows["dec_trunc2", "2"][3]) == 0.0 and float(rows["dec_trunc2", "2"][5]) > 0
-    assert _run(BENCHMARKS / "async_staleness.py", "--summarize", runs)[-1] == lines[-1]
+    # VESPO has no hard clip (no clipped share), and its sequence ratio moved
+    assert rows["vespo", "2"][3:5] == ["nan", "nan"] and float(rows["vespo", "2"][5]) > 0
+    # mean completion length, first and last 20% of steps: tokens with <eos>, at most the 4 sampled
+    assert all(1 <= float(row[col]) <= 4 for row in rows.values() for col in (8, 9))
+    summary = _run(script, "--summarize", runs, more)
+    assert summary[-1] == lines[-1] + " " + more_lines[-1].removeprefix("async_staleness: ")
 
-    table = _run(BENCHMARKS / "async_staleness.py", "--summarize", runs, "--band-table")
+    table = _run(script, "--summarize", runs, more, "--band-table")  # the band table's arms only
     assert table[0] == "the quickstart's task, learning rate 0.0005, float32 sampler"
     assert table[2].startswith("| k | paper's band | 10x band | 100x band | adaptive | TRL token loss |")
     cells = {row.split(" | ")[0]: row.split(" | ") for row in table[4:6]}
@@ -195,6 +204,33 @@ def test_async_staleness_trains_each_arm_and_summarizes_its_runs(tmp_path):
     assert cells["| 0"][1] == cells["| 0"][4] and cells["| 0"][2] == "= " + cells["| 0"][1]
     assert cells["| 0"][9] == "nothing moved" and re.fullmatch(rf"{number} \([+-]\d+%\)", cells["| 2"][9])
     assert table[-1].startswith("goals: within 1 SE of the best fixed band in 2 of 2 cells")
+
+    table = _run(script, "--summarize", runs, more, "--loss-table")
+    assert table[0].startswith("the full loss table: 7 losses x k = 0,1,4,16 x 4 seeds x 3 settings") and \
+        " = 336 runs, " in table[0]
+    assert table[1].startswith("python benchmarks/async_staleness.py --losses gspo,gspo_adaptive,luspo,vespo,sapo,"
+                               "cispo,grpo --staleness 0,1,4,16 --seeds 4 --lr 0.0005 --steps 150 --dtypes "
+                               "float32,bfloat16 ") and table[1].endswith(" && \\")
+    assert "--dtypes float32 --sft-correct-fraction 0.1 " in table[2]
+    assert table[3].endswith(" --loss-table")
+    assert table[5].startswith("the quickstart's task, learning rate 0.0005, float32 sampler, 6 steps: ")
+    assert table[7] == "| loss | k = 0 | k = 2 | length first → last | length over answer |"
+
+    def parse(row):
+        return [cell.strip() for cell in row.strip().strip("|").split("|")]
+
+    cells = {row[0]: row for row in map(parse, table[9:13])}
+    assert list(cells) == ["gspo", "gspo_adaptive", "vespo", "dec_trunc2"]  # LOSS_TABLE's order, then the others
+    assert all(re.fullmatch(rf"{number} ± nan \(1\)", row[2]) for row in cells.values())  # k = 2: one seed each
+    assert cells["vespo"][1] == cells["dec_trunc2"][1] == "-"  # not run at k = 0
+    for loss, n in (("gspo", 2), ("gspo_adaptive", 2), ("vespo", 1), ("dec_trunc2", 1)):  # over the row's runs
+        first, last = map(float, re.fullmatch(rf"({number}) → ({number}) \({n}\)", cells[loss][3]).groups())
+        assert 1 <= first <= 4 and 1 <= last <= 4
+        assert re.fullmatch(rf"[+-]{number} ± (nan|{number}) \({n}\)", cells[loss][4]), cells[loss][4]
+    assert table[14] == "| loss | length k = 0 | length k = 2 |"
+    lengths = {row[0]: row for row in map(parse, table[16:20])}
+    assert lengths["vespo"][1] == "-" and re.fullmatch(rf"{number} → {number} \(1\)", lengths["vespo"][2])
+    assert len(table) == 20
 
 
 @pytest.mark.extended  # left out of CI's time: tests/test_clip_band.py trains the adaptive band in CI
