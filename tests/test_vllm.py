@@ -390,6 +390,9 @@ def plain_vllm_server(tmp_path_factory):
         yield url, model_dir
 
 
+@pytest.mark.extended  # left out of CI's time: CI stops every rank on a server that fails at each point of a round
+# (tests/test_fault_matrix.py, TRL's client against a stand-in server) and resumes a real server's killed
+# asynchronous run (tests/test_async_vllm.py)
 def test_a_server_killed_mid_run_stops_training_with_one_error_and_the_run_resumes(plain_vllm_server, tmp_path):
     """The server dies between two rounds (SIGKILL to its process group): the trainer stops at its next request with
     one error naming the server, the newest complete checkpoint and the resume; that checkpoint is complete, and the
