@@ -41,7 +41,7 @@ def test_datasets():
         make_sft_dataset(4, seed=0, correct_fraction=1.5)
 
 
-SLEEP_BEFORE = 20  # seconds a shell spends before it hands its process to `trl-gspo`
+SLEEP_BEFORE = 8  # seconds a shell spends before it hands its process to `trl-gspo` (over the 2 s margin below)
 
 
 @pytest.mark.slow
