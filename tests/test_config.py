@@ -390,3 +390,16 @@ def test_a_number_outside_its_range_is_refused_naming_the_field(field_name, valu
     else:
         with pytest.raises(ValueError, match=rf"^`{field_name}` must be .*, got .*\. Fix: e\.g\. {field_name}="):
             _check_types(args)
+
+
+@pytest.mark.parametrize("field_name, value, message", [
+    ("sapo_temperature_pos", 0.0, "must be > 0, got 0.0"), ("vespo_k_neg", -1.0, "must be >= 0, got -1.0"),
+    ("vespo_lambda_pos", "3", "must be a number, got '3' (str)")])
+def test_trls_sapo_and_vespo_options_are_checked_by_both_configs(field_name, value, message):
+    """TRL's SAPO / VESPO options: GSPOConfig (for TRL's own sapo / vespo losses) and AsyncGSPOConfig refuse the same
+    values in the same line (`NUMBER_RANGES`)."""
+    from trl_gspo import AsyncGSPOConfig
+
+    for config in (GSPOConfig, AsyncGSPOConfig):
+        with pytest.raises((ValueError, TypeError), match=rf"^`{field_name}` {re.escape(message)}\. Fix: "):
+            config(**{**CPU, field_name: value})

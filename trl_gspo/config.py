@@ -322,6 +322,9 @@ _FIELD_TYPES = {"loss_type": (str, "a string", "'gspo'"), "importance_sampling_l
                 "beta": (numbers.Real, "a number", "0.0"), "delta": (numbers.Real, "a number", "1.5"),
                 "steps_per_generation": (numbers.Integral, "an integer", "4"),
                 "staleness_weight_cap": (numbers.Real, "a number", "2.0"),
+                **{name: (numbers.Real, "a number", example) for name, example in (
+                    ("sapo_temperature_pos", "1.0"), ("sapo_temperature_neg", "1.05"), ("vespo_k_pos", "2.0"),
+                    ("vespo_lambda_pos", "3.0"), ("vespo_k_neg", "3.0"), ("vespo_lambda_neg", "2.0"))},
                 "max_staleness": (numbers.Integral, "an integer", "4")}
 
 
@@ -380,6 +383,12 @@ NUMBER_RANGES = {
     "dataloader_num_workers": Range(0, example="0"),
     "vllm_gpu_memory_utilization": Range(0, 1, low_open=True, example="0.3"),
     "vllm_tensor_parallel_size": Range(1, example="1"),
+    # TRL's SAPO / VESPO options: a temperature of 0 divides by 0 in SAPO's gate, a negative k or lambda turns VESPO's
+    # down-weighting into an up-weighting (TRL clamps lambda to 1e-4 silently).
+    "sapo_temperature_pos": Range(0, low_open=True, example="1.0"),
+    "sapo_temperature_neg": Range(0, low_open=True, example="1.05"),
+    "vespo_k_pos": Range(0, example="2.0"), "vespo_lambda_pos": Range(0, low_open=True, example="3.0"),
+    "vespo_k_neg": Range(0, example="3.0"), "vespo_lambda_neg": Range(0, low_open=True, example="2.0"),
 }
 
 
