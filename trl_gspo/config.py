@@ -706,16 +706,17 @@ def validate_gspo_args(args: GRPOConfig) -> None:
 CLIP_BANDS = ("fixed", "adaptive")
 
 
-def check_adaptive_band(args) -> None:
+def check_adaptive_band(args, band_loss_types=GSPO_LOSS_TYPES) -> None:
     """`clip_band` and, when adaptive, its target and bounds (`0 < clip_band_min <= epsilon <= clip_band_max < 1`), a
     `delta` above the widest band the rule can reach, and a ratio that can move. Shared by `GSPOConfig` and
-    `AsyncGSPOConfig`; called for every loss type, since TRL's types take no adaptive band (it would be ignored)."""
+    `AsyncGSPOConfig`; called for every loss type, since only `band_loss_types` (those clipping GSPO's sequence ratio
+    with this band) take an adaptive band: on the others it would be ignored."""
     band = getattr(args, "clip_band", None) or "fixed"
     if band not in CLIP_BANDS:
         raise _error("clip_band", f"unknown value {band!r}{did_you_mean(band, CLIP_BANDS)}.", "use 'fixed' or 'adaptive'.")
     if band == "fixed":
         return
-    if args.loss_type not in GSPO_LOSS_TYPES:
+    if args.loss_type not in band_loss_types:
         raise _error("clip_band", f"'adaptive' moves GSPO's sequence band; loss_type={args.loss_type!r} would ignore it.",
                      "use loss_type='gspo' or 'gspo_token', or leave clip_band='fixed' (TRL's loss types).")
     if getattr(args, "staleness_correction", "none") != "none":

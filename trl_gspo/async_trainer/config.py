@@ -56,16 +56,6 @@ def default_clip_band(args) -> str:
             and paper_objective else "fixed")
 
 
-class _BandOfGSPO:
-    """`args` as `check_adaptive_band` reads it, LUSPO's band checked as GSPO's: it clips the same sequence ratio."""
-
-    def __init__(self, args):
-        self._args = args
-
-    def __getattr__(self, name):
-        return "gspo" if name == "loss_type" else getattr(self._args, name)
-
-
 def check_loss_options(args) -> None:
     """Refuse, in one line naming the option, a band option the loss type has nothing to apply to (SAPO and VESPO
     have no hard clip; CISPO caps its weight from above only); TRL's SAPO / VESPO options are checked with the others
@@ -204,7 +194,7 @@ class AsyncGSPOConfig(AsyncGRPOConfig):
             raise ValueError("`delta`: TRL's asynchronous 'grpo' loss has no two-sided clip. Fix: leave delta "
                              "unset, or use loss_type='gspo'.")
         check_clip_band(self)
-        check_adaptive_band(_BandOfGSPO(self) if self.loss_type == "luspo" else self)
+        check_adaptive_band(self, SEQUENCE_BAND_LOSS_TYPES)
         check_rank_wait_timeout(self)
         if self.staleness_correction != "none" and not is_gspo:
             raise ValueError(f"`staleness_correction`: loss_type={self.loss_type!r} has no decoupled form here. Fix: "
