@@ -27,11 +27,11 @@ a figure lives with its provenance in docs/results.md; elsewhere it is a link.""
 
 import ast
 import re
-import unicodedata
 from decimal import ROUND_HALF_UP, Decimal
 from pathlib import Path
 
 import pytest
+from test_links import slugify  # mkdocs' heading ids, one rule for both tests
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = ROOT / "docs"
@@ -245,16 +245,6 @@ def test_units_are_paragraphs_items_and_rows():
 
 
 # --- 2. a quoted figure equals its home ---
-
-def slugify(heading):
-    """The mkdocs (Python-Markdown toc) slug of a heading: markup dropped, ASCII, lowercase, punctuation dropped,
-    spaces and hyphens to one hyphen (as tests/test_links.py slugs it)."""
-    text = re.sub(r"!?\[([^\]]*)\]\([^)]*\)", r"\1", heading)
-    text = re.sub(r"[`*]|(?<!\w)_|_(?!\w)", "", text)
-    text = unicodedata.normalize("NFKD", text).encode("ascii", "ignore").decode("ascii")
-    text = re.sub(r"[^\w\s-]", "", text).strip().lower()
-    return re.sub(r"[-\s]+", "-", text)
-
 
 def sections(text):
     """slug -> the section's text, from its heading to the next heading of the same or a higher level (fenced code
