@@ -14,7 +14,7 @@ pytest.register_assert_rewrite("support")
 import support.helpers  # noqa: E402,F401  next: sets the test environment (hub offline, at most two torch threads)
 import torch  # noqa: E402
 from hypothesis import settings  # noqa: E402
-from support.xdist_groups import group_module_fixture_users  # noqa: E402
+from support.xdist_groups import group_launches, group_module_fixture_users  # noqa: E402
 from support.vllm_servers import servers_as_found  # noqa: E402
 
 # Property tests draw the same examples on every run (a CI failure reproduces), with no per-example deadline (two
@@ -73,6 +73,7 @@ def pytest_collection_modifyitems(config, items):
         LEFT_OUT[marker] = len(_leave_out(config, items, marker))
     if not any(marker in named for marker in ("slow", "gpu", "vllm")):
         LEFT_OUT["slow"] = len(_leave_out(config, items, "slow"))
+    group_launches(items)
     group_module_fixture_users(items)
 
 

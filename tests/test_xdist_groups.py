@@ -8,6 +8,7 @@ import json
 import subprocess
 import sys
 import textwrap
+import types
 from pathlib import Path
 
 import pytest
@@ -76,3 +77,47 @@ def test_tests_sharing_a_module_fixture_run_on_one_worker_under_cis_xdist_mode(t
     assert len(workers["server user"] | workers["reference user"]) == 1
     assert {worker for _, worker in notes} == {"gw0", "gw1"}  # and two workers ran
 
+
+
+class _Item:
+    """What `group_launches` reads of a collected test: its markers and its module's name."""
+
+    def __init__(self, module, *markers):
+        self.module = types.SimpleNamespace(__name__=module)
+        self.markers = {name: pytest.Mark(name, (), {}) for name in markers}
+
+    def get_closest_marker(self, name):
+        return self.markers.get(name)
+
+    def add_marker(self, mark):
+        self.markers[mark.name] = mark.mark
+
+    def group(self):
+        marker = self.markers.get("xdist_group")
+        return marker.args[0] if marker else None
+
+
+def test_slow_tests_that_launch_processes_share_one_worker_and_the_rest_spread():
+    """CI's slow leg (`-m slow -n 2 --dist loadgroup`): the launching tests, one at a time on one worker; the
+    in-process ones, a new slow module (launching until listed), and the vLLM and GPU suites' own groups as they were."""
+    from support.xdist_groups import IN_PROCESS_SLOW_MODULES, LAUNCHES, group_launches
+
+    in_process = _Item(f"tests.{sorted(IN_PROCESS_SLOW_MODULES)[0]}", "slow")
+    launching, new_module = _Item("tests.test_multiprocess", "slow"), _Item("tests.test_something_new", "slow")
+    fast, vllm = _Item("tests.test_multiprocess"), _Item("tests.test_vllm", "slow", "vllm")
+    gpu = _Item("test_gpu", "slow", "gpu")
+    own = _Item("tests.test_quickstart", "slow")
+    own.add_marker(pytest.mark.xdist_group("its own"))
+    group_launches([in_process, launching, new_module, fast, vllm, gpu, own])
+    assert [item.group() for item in (in_process, launching, new_module, fast, vllm, gpu, own)] == \
+        [None, LAUNCHES, LAUNCHES, None, None, None, "its own"]
+
+
+@pytest.mark.parametrize("module", sorted(__import__("support.xdist_groups").xdist_groups.IN_PROCESS_SLOW_MODULES))
+def test_the_in_process_slow_modules_start_no_process(module):
+    """A module listed as in-process runs beside a launch on 2 cores: it must not launch one itself. It exists and
+    still holds slow tests (a stale entry would hide nothing, but says what is no longer so)."""
+    source = (TESTS / f"{module}.py").read_text()
+    assert "pytest.mark.slow" in source
+    starts = ("subprocess", "cpu_env", "multiprocessing", "Popen", "spawn(", "fault_matrix", "accelerate_launch")
+    assert [word for word in starts if word in source] == []

@@ -1,11 +1,32 @@
-"""Which tests pytest-xdist must keep on one worker, for CI's `pytest -m vllm -n 2 --dist loadgroup` (and anyone's
-`-n N --dist loadgroup` run of the other tests).
+"""Which tests pytest-xdist must keep on one worker, for CI's `pytest -m vllm -n 2 --dist loadgroup` and
+`pytest -m slow -n 2 --dist loadgroup` (and anyone's `-n N --dist loadgroup` run of the other tests).
 
 Called from tests/conftest.py's collection hook (before pytest-xdist's own reads the marks added here);
 tests/test_xdist_groups.py checks, in a pytest run of its own, that a grouped module fixture is built once.
 """
 
 import pytest
+
+# The modules whose slow tests train in the pytest process itself (one torch thread under two workers). Every other
+# slow test launches processes (two ranks, a launcher, a node per process) and joins LAUNCHES: on 2 cores, two
+# launches at once only spin against each other, while one launch beside in-process runs fills the cores a launch
+# leaves idle while it imports and starts. A new slow module launches until it is listed here;
+# tests/test_xdist_groups.py checks that these modules start no process.
+IN_PROCESS_SLOW_MODULES = frozenset({
+    "test_clip_band", "test_end_to_end", "test_logging", "test_multi_turn", "test_old_logps",
+    "test_rollout_replay_trainer", "test_trainer_routing", "test_turn_advantages"})
+LAUNCHES = "launches"
+
+
+def group_launches(items):
+    """Under pytest-xdist (`-m slow -n 2 --dist loadgroup`, as CI runs the slow leg), the slow tests that launch
+    processes go to one worker, one at a time; the in-process ones share the other worker. The vLLM and GPU suites
+    keep their own grouping (`group_module_fixture_users`)."""
+    for item in items:
+        if (item.get_closest_marker("slow") is not None and item.get_closest_marker("xdist_group") is None
+                and item.get_closest_marker("vllm") is None and item.get_closest_marker("gpu") is None
+                and item.module.__name__.rpartition(".")[2] not in IN_PROCESS_SLOW_MODULES):
+            item.add_marker(pytest.mark.xdist_group(LAUNCHES))
 
 
 def group_module_fixture_users(items):
