@@ -53,7 +53,8 @@ LEFT_OUT_HOW = {"slow": "end-to-end and multi-process runs: `-m slow`", "gpu": "
 def pytest_xdist_auto_num_workers(config):
     """pyproject.toml's `-n auto` runs the default (fast) suite on one pytest-xdist worker per core. A run whose `-m`
     names `slow` or `gpu` stays in one process unless the command line gives `-n`: a slow test keeps both cores of
-    a 2-core machine busy by itself (two ranks), and the GPU tests share one device."""
+    a 2-core machine busy by itself (two ranks), and the GPU tests share one device. CI's slow leg gives
+    `-n 2 --dist loadgroup`: the launching tests keep to one worker (tests/support/xdist_groups.py)."""
     if any(marker in (config.option.markexpr or "") for marker in ("slow", "gpu")):
         return 0
     return None  # pytest-xdist's own count
