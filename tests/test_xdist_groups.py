@@ -78,7 +78,6 @@ def test_tests_sharing_a_module_fixture_run_on_one_worker_under_cis_xdist_mode(t
     assert {worker for _, worker in notes} == {"gw0", "gw1"}  # and two workers ran
 
 
-
 class _Item:
     """What `group_launches` reads of a collected test: its markers and its module's name."""
 
@@ -98,8 +97,8 @@ class _Item:
 
 
 def test_slow_tests_that_launch_processes_share_one_worker_and_the_rest_spread():
-    """CI's slow leg (`-m slow -n 2 --dist loadgroup`): the launching tests, one at a time on one worker; the
-    in-process ones, a new slow module (launching until listed), and the vLLM and GPU suites' own groups as they were."""
+    """CI's slow leg (`-m slow -n 2 --dist loadgroup`): the launching tests and a new slow module (launching until
+    listed), one at a time on one worker; the in-process ones spread; the vLLM and GPU suites' own groups kept."""
     from support.xdist_groups import IN_PROCESS_SLOW_MODULES, LAUNCHES, group_launches
 
     in_process = _Item(f"tests.{sorted(IN_PROCESS_SLOW_MODULES)[0]}", "slow")

@@ -718,7 +718,8 @@ def check_adaptive_band(args, band_loss_types=GSPO_LOSS_TYPES) -> None:
         return
     if args.loss_type not in band_loss_types:
         raise _error("clip_band", f"'adaptive' moves GSPO's sequence band; loss_type={args.loss_type!r} would ignore it.",
-                     "use loss_type='gspo' or 'gspo_token', or leave clip_band='fixed' (TRL's loss types).")
+                     f"use loss_type={' or '.join(map(repr, band_loss_types))}, or leave clip_band='fixed' "
+                     "(TRL's loss types).")
     if getattr(args, "staleness_correction", "none") != "none":
         raise _error("clip_band", f"'adaptive' reads how far the policy moved since pi_old, but with "
                      f"staleness_correction={args.staleness_correction!r} the band bounds the ratio against the weights "
