@@ -32,6 +32,16 @@ def shared_vllm_servers_as_found():
     servers_as_found()
 
 
+@pytest.fixture(autouse=True)
+def one_process_threads(request, monkeypatch):
+    """A `one_process` test runs beside a launch of ranks in CI's slow leg (tests/support/xdist_groups.py): under
+    pytest-xdist, the process it starts gets its worker's share of the cores as torch threads, as the worker itself
+    has (tests/support/helpers.py), not every core."""
+    if (request.node.get_closest_marker("one_process") is not None and "PYTEST_XDIST_WORKER_COUNT" in os.environ
+            and "OMP_NUM_THREADS" not in os.environ):
+        monkeypatch.setenv("OMP_NUM_THREADS", str(torch.get_num_threads()))
+
+
 @pytest.fixture
 def fake_accelerator(monkeypatch):
     """`fake_accelerator(present)` makes every "is there an accelerator?" probe of the project, and transformers'

@@ -88,6 +88,7 @@ def test_moe_stress_quick_runs_three_arms_and_writes_raw_data(tmp_path):
     assert (tmp_path / "curves.png").stat().st_size > 10_000
 
 
+@pytest.mark.one_process
 def test_sampler_mismatch_quick_reaches_full_agreement_with_r3(tmp_path):
     lines = _run(BENCHMARKS / "sampler_mismatch.py", "--quick", "--cache", tmp_path / "cache")
     match = re.fullmatch(r"sampler_route_agreement: plain (\d\.\d+) r2 (\d\.\d+) r3 (\d\.\d+)", lines[-1])
@@ -109,6 +110,7 @@ def test_sampler_mismatch_with_a_bf16_trainer_leaves_decode_against_prefill(tmp_
     assert lines[-1].startswith("sampler_route_agreement: plain ")
 
 
+@pytest.mark.one_process
 def test_flagship_step_runs_its_code_path_at_toy_widths():
     """benchmarks/flagship_step.py --tiny: the Qwen3-30B-A3B-shaped run's code path (model built on the device,
     LoRA on attention and fused experts, R2, gradient checkpointing, two rollout batches) on a CPU."""
@@ -140,6 +142,7 @@ def test_sampler_mismatch_with_real_vllm_replays_its_routes_exactly(tmp_path):
     assert any("ratio R3/without" in line for line in lines)
 
 
+@pytest.mark.one_process
 def test_every_benchmark_prints_its_conditions_first():
     """A figure copied from a benchmark's output keeps its device, dtype, experts kernel, versions and commit."""
     for script in sorted(BENCHMARKS.glob("*.py")) + [BENCHMARKS / "reproduce" / "run.py"]:
@@ -174,13 +177,15 @@ def test_sampler_likelihoods_compares_both_sources_of_pi_old(tmp_path):
     assert any(line.startswith("hf: step time old_logps=sampler / old_logps=trainer") for line in lines)
 
 
+@pytest.mark.one_process
 def test_async_staleness_trains_each_arm_and_summarizes_its_runs(tmp_path):
     """GSPO and the adaptive band at staleness 0 and 2, the decoupled objective and VESPO (a loss without a hard clip)
     at 2, for a few steps (a 20-step cold start); then `--summarize` rebuilds the same table from the two runs files,
     `--band-table` sets the adaptive band against the fixed one, and `--loss-table` gives one row per loss (reward per
     staleness, completion lengths) under the full table's command."""
     script, runs, more = BENCHMARKS / "async_staleness.py", tmp_path / "runs.json", tmp_path / "more_runs.json"
-    common = ["--dtypes", "float32", "--seeds", "1", "--steps", "6", "--sft-steps", "20", "--cache", tmp_path]
+    common = ["--dtypes", "float32", "--seeds", "1", "--steps", "6", "--sft-steps", "20", "--cache", tmp_path,
+              "--jobs", "1"]
     lines = _run(script, "--losses", "gspo,gspo_adaptive", "--staleness", "0,2", *common, "--out", runs)
     more_lines = _run(script, "--losses", "dec_trunc2,vespo", "--staleness", "2", *common, "--out", more)
     number = r"\d\.\d+"
@@ -259,6 +264,7 @@ def test_clip_band_sync_runs_both_bands_on_the_quickstart():
     assert any(line.startswith("| 0.0005 | ") for line in lines) and lines[-2].startswith("goals: ")
 
 
+@pytest.mark.one_process
 def test_a_lora_sync_holds_at_most_one_and_a_half_adapted_tensors():
     """benchmarks/lora_sync.py at the tiny size: the sync's peak above what it started with stays within 1.5 of the
     largest adapted tensor (counted by tensors, not timed), and an attention weight built a slice of rows at a time

@@ -73,6 +73,7 @@ def _snapshot(root: Path):
 
 
 @pytest.mark.slow
+@pytest.mark.one_process
 def test_sigterm_during_training_leaves_no_process_and_no_writes(tmp_path):
     """A real `trl-gspo` run (tiny MoE, a checkpoint every step) gets SIGTERM after its first checkpoint."""
     out = tmp_path / "run"

@@ -247,6 +247,7 @@ def test_separate_output_dirs_are_refused_before_any_model_loads(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.one_process  # one node of one rank
 def test_a_node_that_never_joins_ends_the_wait_with_a_clear_error(tmp_path):
     """Only machine_rank 0 is started: torchrun's rendezvous waits `--rdzv_conf timeout=N` seconds (600 by
     default), then the command fails and says what to check."""

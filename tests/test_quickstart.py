@@ -45,6 +45,7 @@ SLEEP_BEFORE = 8  # seconds a shell spends before it hands its process to `trl-g
 
 
 @pytest.mark.slow
+@pytest.mark.one_process
 def test_quickstart_recipe_learns(tmp_path):
     """The README's first command, end to end through `trl-gspo` and `accelerate launch`, as CI or a Dockerfile runs
     it: `bash -c "<something slow> && trl-gspo ..."`, where bash hands its own process (started before the sleep) to

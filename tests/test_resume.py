@@ -19,6 +19,9 @@ from trl_gspo.checkpoints import (
 )
 from trl_gspo.quickstart.model import build_model
 
+# In the pytest process, and one run script at a time: CI runs these beside the launching tests
+pytestmark = pytest.mark.one_process
+
 # 4 mini-batches per rollout batch (GSPOConfig's paper preset with gradient_accumulation_steps=1): steps 1-4 use
 # rollout batch 1, steps 5-8 rollout batch 2. Off-policy, so the buffered old log-probs matter.
 MAX_STEPS = 6

