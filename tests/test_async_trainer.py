@@ -278,6 +278,25 @@ def test_async_recipes_resolve_into_async_gspo_config_or_are_refused(tmp_path, c
         assert code == 2 and f"`{option}" in err and ("Fix" in err or "unknown key" in err), err
 
 
+@pytest.mark.parametrize("loss_type,banded", [("gspo", True), ("luspo", True), ("sapo", False), ("grpo", False)])
+def test_an_async_recipes_dry_run_names_the_band_of_every_loss_that_clips_the_sequence_ratio(
+        tmp_path, capsys, monkeypatch, loss_type, banded):
+    """LUSPO clips GSPO's sequence ratio under AsyncGSPOTrainer, with GSPO's band: its dry run says which band runs,
+    as a gspo recipe's does; a loss without that clip gets no band line."""
+    from trl_gspo.launch.cli import main
+
+    monkeypatch.setattr("trl_gspo.launch.checks._probe_dataset", lambda key, path, config: None)
+    monkeypatch.setattr("trl_gspo.launch.checks._probe_model", lambda key, name: None)  # hub model, offline
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text(ASYNC_RECIPE.format(model="Qwen/Qwen3-0.6B", dataset="trl-lib/DeepMath-103K",
+                                          url="http://gen:8000", out=tmp_path / "o") + f"loss_type: {loss_type}\n")
+    assert main(["--config", str(recipe), "--dry_run", "true"]) == 0
+    band = [line for line in capsys.readouterr().out.splitlines() if line.startswith("clip band:")]
+    assert len(band) == banded
+    if banded:
+        assert "clipped to" in band[0]
+
+
 def test_async_recipes_end_with_the_run_summary_and_curves(monkeypatch, tmp_path):
     """`trainer: async` builds AsyncGSPOTrainer with the synchronous trainer's RunReportCallback (`plot` as set)."""
     import trl_gspo.async_trainer

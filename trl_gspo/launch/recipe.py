@@ -382,11 +382,16 @@ def describe(script_args, training_args, model_args, dataset_args, launch_args) 
         f"output_dir:     {args.output_dir}",
         f"accelerate:     {' '.join(launch_args) or '(defaults)'}",
     ]
-    if args.loss_type in GSPO_LOSS_TYPES:
+    if script_args.trainer == "async":  # LUSPO clips GSPO's sequence ratio there, with GSPO's band
+        from ..async_trainer.config import SEQUENCE_BAND_LOSS_TYPES as band_loss_types
+    else:
+        band_loss_types = GSPO_LOSS_TYPES
+    banded = args.loss_type in band_loss_types
+    if banded:
         lines.insert(4, f"clip band:      {band_description(args)}")
     presets = getattr(args, "paper_presets", None) or getattr(args, "presets", None) or {}
     if presets:  # the fields the recipe left unset that the config filled
-        lines.insert(5 if args.loss_type in GSPO_LOSS_TYPES else 4,
+        lines.insert(5 if banded else 4,
                      f"filled in:      {', '.join(f'{name}={value}' for name, value in presets.items())} "
                      "(unset in the recipe: the config's defaults for this loss type)")
     if script_args.sft_steps:
