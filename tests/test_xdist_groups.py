@@ -45,21 +45,35 @@ def test_uses_the_reference(i, reference, tmp_path_factory):
 @pytest.mark.parametrize("i", range(8))
 def test_alone(i, tmp_path_factory):
     _note(tmp_path_factory, "alone")
+
+@pytest.mark.slow
+@pytest.mark.parametrize("i", range(4))
+def test_launches_ranks(i, tmp_path_factory):
+    _note(tmp_path_factory, "launch")
+
+@pytest.mark.slow
+@pytest.mark.one_process
+@pytest.mark.parametrize("i", range(4))
+def test_runs_one_process(i, request, tmp_path_factory):
+    _note(tmp_path_factory, "one process" if request.node.get_closest_marker("xdist_group") is None else "grouped")
 '''
 
 CONFTEST = f'''
 import sys
 sys.path.insert(0, {str(TESTS)!r})
 import pytest
-from support.xdist_groups import group_module_fixture_users
+from support.xdist_groups import group_launches, group_module_fixture_users
 
 @pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config, items):
+    group_launches(items)
     group_module_fixture_users(items)
 '''
 
 
 def test_tests_sharing_a_module_fixture_run_on_one_worker_under_cis_xdist_mode(tmp_path):
+    """Also the slow leg's rule, in the same run: slow tests that launch ranks on one worker, `one_process` ones in no
+    group."""
     pytest.importorskip("xdist")
     (tmp_path / "suite").mkdir()
     (tmp_path / "suite" / "test_suite.py").write_text(SUITE)
@@ -75,6 +89,8 @@ def test_tests_sharing_a_module_fixture_run_on_one_worker_under_cis_xdist_mode(t
     assert sum(what == "reference built" for what, _ in notes) == 1
     # the server's and the reference's users are one group (the reference uses the server): one worker for all
     assert len(workers["server user"] | workers["reference user"]) == 1
+    assert len(workers["launch"]) == 1 and sum(what == "launch" for what, _ in notes) == 4
+    assert sum(what == "one process" for what, _ in notes) == 4 and "grouped" not in workers
     assert {worker for _, worker in notes} == {"gw0", "gw1"}  # and two workers ran
 
 
