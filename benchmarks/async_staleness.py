@@ -482,13 +482,14 @@ def full_table_text() -> str:
 def print_loss_table(runs):
     """One markdown table per task, learning rate, sampler and step count over the runs given (their seeds
     together): one row per loss (`LOSS_TABLE`'s first, in its order, then the others run), per staleness k the
-    last-window reward (mean ± standard error over seeds, seeds in brackets), then the mean completion length in the
-    first and the last 20% of steps over the row's runs (every k) and the last window's length over the correct
-    answer's (mean ± standard error over those runs); then the same lengths per staleness. Printed first: the full
-    table's command (`full_table_text`)."""
-    import _band_table
-
+    last-window reward (mean±standard error over seeds), then the mean completion length in the first and the last
+    20% of steps over the row's runs (every k) and the last window's length over the correct answer's (mean±standard
+    error over those runs); then the same lengths per staleness. The seeds a cell (the runs a row) are named once above
+    a table where every cell has as many, in brackets in each cell otherwise. Printed first: the full table's command
+    (`full_table_text`) and what the columns hold."""
     print(full_table_text())
+    print("\nreward: last 20% of steps, mean±standard error over seeds; length: completion tokens with <eos>, first → "
+          "last 20% of steps over a row's runs; over answer: the last 20%'s length minus the correct answer's")
     cells = {}
     for spec, run in runs:
         key = (spec.get("sft_correct_fraction", 0.5), spec.get("lr", 5e-4), spec["dtype"], spec["steps"])
@@ -501,37 +502,41 @@ def print_loss_table(runs):
     def known(summaries, key):
         return [s[key] for s in summaries if s[key] == s[key]]  # NaN: a runs file from before lengths were logged
 
-    def lengths(summaries):
-        first, last = known(summaries, "length_first"), known(summaries, "length_last")
-        return "-" if not last else f"{statistics.fmean(first):.2f} → {statistics.fmean(last):.2f} ({len(last)})"
-
-    def excess(summaries):
-        values = known(summaries, "length_excess_last")
-        if not values:
-            return "-"
+    def mean_se(values, fmt, uniform):
         se = statistics.stdev(values) / len(values) ** 0.5 if len(values) > 1 else float("nan")
-        return f"{statistics.fmean(values):+.3f} ± {se:.3f} ({len(values)})"
+        return f"{statistics.fmean(values):{fmt}}±{se:.3f}" + ("" if uniform else f" ({len(values)})")
+
+    def lengths(summaries, uniform):
+        first, last = known(summaries, "length_first"), known(summaries, "length_last")
+        return "-" if not last else (f"{statistics.fmean(first):.2f} → {statistics.fmean(last):.2f}"
+                                     + ("" if uniform else f" ({len(last)})"))
+
+    def excess(summaries, uniform):
+        values = known(summaries, "length_excess_last")
+        return mean_se(values, "+.3f", uniform) if values else "-"
 
     for key in sorted(cells, key=lambda c: (-c[0], -c[1], c[2] != "float32", c[3])):
         task, lr, dtype, steps = key
         losses = cells[key]
         ks = sorted({k for by_k in losses.values() for k in by_k})
+        seeds = {len(by_k.get(k, [])) for by_k in losses.values() for k in ks}
+        uniform = len(seeds) == 1
         name = "the quickstart's task" if task == 0.5 else f"the harder task (cold start {task:g} correct)"
-        print(f"\n{name}, learning rate {lr:g}, {dtype} sampler, {steps} steps: reward over the last 20% of steps, "
-              "mean ± standard error (seeds); completion length in tokens with <eos>, first → last 20% of steps "
-              "(runs), and over the correct answer's, last 20%\n")
-        print("| loss | " + " | ".join(f"k = {k}" for k in ks) + " | length first → last | length over answer |")
+        count = f", {seeds.pop()} seeds a cell ({len(ks) * len(next(iter(losses.values()))[ks[0]])} runs a row)" \
+            if uniform else ", seeds (runs) in brackets"
+        print(f"\n{name}, learning rate {lr:g}, {dtype} sampler, {steps} steps{count}\n")
+        print("| loss | " + " | ".join(f"k = {k}" for k in ks) + " | length | over answer |")
         print("|---" * (len(ks) + 3) + "|")
         for loss in sorted(losses, key=order):
             by_k = losses[loss]
-            rewards = [_band_table.mean_se([s["reward_last"] for s in by_k[k]]) if k in by_k else "-" for k in ks]
+            rewards = [mean_se([s["reward_last"] for s in by_k[k]], ".3f", uniform) if k in by_k else "-" for k in ks]
             every = [s for k in ks for s in by_k.get(k, [])]
-            print(f"| {loss} | " + " | ".join([*rewards, lengths(every), excess(every)]) + " |")
+            print(f"| {loss} | " + " | ".join([*rewards, lengths(every, uniform), excess(every, uniform)]) + " |")
         print("\n| loss | " + " | ".join(f"length k = {k}" for k in ks) + " |")
         print("|---" * (len(ks) + 1) + "|")
         for loss in sorted(losses, key=order):
-            print(f"| {loss} | " + " | ".join(lengths(losses[loss][k]) if k in losses[loss] else "-" for k in ks)
-                  + " |")
+            print(f"| {loss} | " + " | ".join(lengths(losses[loss][k], uniform) if k in losses[loss] else "-"
+                                              for k in ks) + " |")
 
 
 # The band table's arms (benchmarks/_band_table.py) by this benchmark's loss names.
