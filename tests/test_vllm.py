@@ -121,18 +121,25 @@ def test_colocate_engine_trains(loss_type, correction, tmp_path):
     assert any("vLLM samples in bfloat16 while the trainer computes in float32" in w for w in result["warnings"])
 
 
+LORA_RUN = dict(lora=True, base_dtype="bfloat16", max_steps=12, steps_per_generation=2, learning_rate=3e-2)
+
+
 def test_colocate_engine_with_lora_keeps_a_bf16_base_bitwise_frozen(tmp_path):
     """LoRA on attention and experts over a bf16 base, a weight sync before each of 6 rounds: the engine samples
-    from the policy (the adapters folded into what is sent), and the frozen base is bit for bit unchanged. Stock
-    TRL (GRPOTrainer, same setup) merges and unmerges in place around every sync, and its base drifts."""
-    common = dict(lora=True, base_dtype="bfloat16", max_steps=12, steps_per_generation=2, learning_rate=3e-2)
-    result = _run(tmp_path / "gspo", routing_replay="sampler", **common)
+    from the policy (the adapters folded into what is sent), and the frozen base is bit for bit unchanged."""
+    result = _run(tmp_path, routing_replay="sampler", **LORA_RUN)
     rounds = _rounds(result)
     assert len(_steps(result)) == 12 and len(rounds) == 6
     assert min(h["routing/sampler_agreement"] for h in rounds) >= MIN_AGREEMENT
     assert _drift_warnings(result) == []
     assert result["base_drift"]["tensors"] == 0 and result["base_drift"]["elements"] == 0, result["base_drift"]
-    stock = _run(tmp_path / "stock", stock=True, model_dir=tmp_path / "gspo" / "model", **common)
+
+
+@pytest.mark.extended  # left out of CI's time: stock TRL's behaviour shown, ours is checked in CI just above
+def test_stock_trls_lora_sync_moves_a_bf16_base(tmp_path):
+    """Stock TRL (GRPOTrainer, the same setup as above) merges and unmerges the adapters in place around every sync,
+    and its bf16 base drifts."""
+    stock = _run(tmp_path, stock=True, **LORA_RUN)
     assert len(_steps(stock)) == 12
     drift = stock["base_drift"]
     print(f"stock TRL, 6 rounds: {drift['tensors']}/{drift['of_tensors']} base tensors and "
