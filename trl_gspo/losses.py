@@ -400,7 +400,10 @@ def gspo_packed_loss(
     logps_rows, old_rows, advantage_rows, *proximal_rows, mask = unpack_segments(segment_id, *packed,
                                                                                  num_segments=num_segments)
     if not token_level:
-        first = advantage_rows[:, :1]
+        # (S, 1): the advantage each completion's first target holds; zero for a completion with no target (an empty
+        # row, loss 0), also when no completion has one
+        first = (advantage_rows[:, :1] if advantage_rows.shape[1]
+                 else advantage_rows.new_zeros((len(advantage_rows), 1)))
         if clip.get("check_inputs", True) and mask.any() and bool(((advantage_rows - first).abs() * mask).amax() > 0):
             raise ValueError("`advantages` differ within a completion: gspo takes one advantage per sequence. Fix: "
                              "use token_level=True (gspo_token) for per-token advantages.")
