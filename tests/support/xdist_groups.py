@@ -10,7 +10,7 @@ import pytest
 # The modules whose slow tests train in the pytest process itself (one torch thread under two workers). Every other
 # slow test launches processes (two ranks, a launcher, a node per process) and joins LAUNCHES, unless it is marked
 # `one_process` (a single run script or a one-process `trl-gspo` run, its torch threads capped like the worker's:
-# support.helpers.cpu_env): on 2 cores, two launches at once only spin against each other, while one launch beside
+# tests/conftest.py's `one_process_threads`): on 2 cores, two launches at once only spin against each other, while one launch beside
 # one-core runs fills the cores a launch leaves idle while it imports and starts. A new slow module launches until it
 # is listed here; tests/test_xdist_groups.py checks that these modules start no process.
 IN_PROCESS_SLOW_MODULES = frozenset({
