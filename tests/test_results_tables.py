@@ -7,6 +7,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from support.helpers import cpu_env
+
 ROOT = Path(__file__).resolve().parents[1]
 SECTION = "### GSPO's successors under staleness"
 RUNS = sorted((ROOT / "benchmarks" / "clip_band_results").glob("loss_table_*.json"))
@@ -25,7 +27,7 @@ def test_the_successors_table_is_the_benchmarks_output_over_its_committed_runs()
         assert any(path.name in line for line in section), path.name
     output = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "async_staleness.py"), "--summarize",
                              *map(str, RUNS), "--loss-table"], capture_output=True, text=True, timeout=300,
-                            check=True).stdout.splitlines()
+                            check=True, env=cpu_env()).stdout.splitlines()
     rows = [line for line in section if line.startswith("|")]
     assert rows and [row for row in rows if row not in output] == []
     settings = [line for line in output if re.match(r"the (quickstart's|harder) task", line)]
