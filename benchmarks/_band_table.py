@@ -28,9 +28,11 @@ def difference_in_se(a: list[float], b: list[float]) -> float:
     return (statistics.fmean(a) - statistics.fmean(b)) / error if error > 0 else float("nan")
 
 
-def mean_se(values: list[float]) -> str:
+def mean_se(values: list[float], fmt: str = ".3f", sep: str = " ± ", count: bool = True) -> str:
+    """Mean and standard error of `values` (NaN for one value): `mean ± se (n)`; `fmt` formats the mean, `count`
+    appends the number of values."""
     se = statistics.stdev(values) / len(values) ** 0.5 if len(values) > 1 else float("nan")
-    return f"{statistics.fmean(values):.3f} ± {se:.3f} ({len(values)})"
+    return f"{statistics.fmean(values):{fmt}}{sep}{se:.3f}" + (f" ({len(values)})" if count else "")
 
 
 class Goals:

@@ -487,6 +487,8 @@ def print_loss_table(runs):
     error over those runs); then the same lengths per staleness. The seeds a cell (the runs a row) are named once above
     a table where every cell has as many, in brackets in each cell otherwise. Printed first: the full table's command
     (`full_table_text`) and what the columns hold."""
+    import _band_table
+
     print(full_table_text())
     print("\nreward: last 20% of steps, mean±standard error over seeds; length: completion tokens with <eos>, first → "
           "last 20% of steps over a row's runs; over answer: the last 20%'s length minus the correct answer's")
@@ -502,9 +504,8 @@ def print_loss_table(runs):
     def known(summaries, key):
         return [s[key] for s in summaries if s[key] == s[key]]  # NaN: a runs file from before lengths were logged
 
-    def mean_se(values, fmt, uniform):
-        se = statistics.stdev(values) / len(values) ** 0.5 if len(values) > 1 else float("nan")
-        return f"{statistics.fmean(values):{fmt}}±{se:.3f}" + ("" if uniform else f" ({len(values)})")
+    def mean_se(values, fmt, uniform):  # compact: the seeds named above the table when every cell has as many
+        return _band_table.mean_se(values, fmt, sep="±", count=not uniform)
 
     def lengths(summaries, uniform):
         first, last = known(summaries, "length_first"), known(summaries, "length_last")
@@ -522,8 +523,8 @@ def print_loss_table(runs):
         seeds = {len(by_k.get(k, [])) for by_k in losses.values() for k in ks}
         uniform = len(seeds) == 1
         name = "the quickstart's task" if task == 0.5 else f"the harder task (cold start {task:g} correct)"
-        count = f", {seeds.pop()} seeds a cell ({len(ks) * len(next(iter(losses.values()))[ks[0]])} runs a row)" \
-            if uniform else ", seeds (runs) in brackets"
+        count = f", {min(seeds)} seeds a cell ({len(ks) * min(seeds)} runs a row)" if uniform \
+            else ", seeds (runs) in brackets"
         print(f"\n{name}, learning rate {lr:g}, {dtype} sampler, {steps} steps{count}\n")
         print("| loss | " + " | ".join(f"k = {k}" for k in ks) + " | length | over answer |")
         print("|---" * (len(ks) + 3) + "|")

@@ -9,10 +9,10 @@ import pytest
 
 # The modules whose slow tests train in the pytest process itself (one torch thread under two workers). Every other
 # slow test launches processes (two ranks, a launcher, a node per process) and joins LAUNCHES, unless it is marked
-# `one_process` (a single run script or a one-process `trl-gspo` run, its torch threads capped like the worker's:
-# tests/conftest.py's `one_process_threads`): on 2 cores, two launches at once only spin against each other, while one launch beside
-# one-core runs fills the cores a launch leaves idle while it imports and starts. A new slow module launches until it
-# is listed here; tests/test_xdist_groups.py checks that these modules start no process.
+# `one_process` (a single run script or a one-process `trl-gspo` run, its torch threads capped like the worker's by
+# tests/conftest.py's `one_process_threads`): on 2 cores, two launches at once only spin against each other, while
+# one launch beside one-core runs fills the cores a launch leaves idle while it imports and starts. A new slow module
+# launches until it is listed here; tests/test_xdist_groups.py checks that these modules start no process.
 IN_PROCESS_SLOW_MODULES = frozenset({
     "test_clip_band", "test_end_to_end", "test_logging", "test_multi_turn", "test_old_logps",
     "test_rollout_replay_trainer", "test_trainer_routing", "test_turn_advantages"})
