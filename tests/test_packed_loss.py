@@ -6,7 +6,7 @@ and gradient, one completion at a time in plain Python."""
 import pytest
 import torch
 
-from trl_gspo.losses import gspo_packed_loss, unpack_segments
+from trl_gspo.losses import LOSS_REDUCTIONS, gspo_packed_loss, packed_policy_loss, unpack_segments
 
 EPS_LOW, EPS_HIGH = 3e-4, 4e-4
 
@@ -117,18 +117,24 @@ def test_unpacking_keeps_each_completions_targets_in_order_and_refuses_what_it_c
         gspo_packed_loss(torch.zeros(2), torch.zeros(2), torch.tensor([1.0, 2.0]), torch.tensor([0, 0]))
 
 
-@pytest.mark.parametrize("token_level", [False, True])
-def test_a_completion_with_no_target_is_an_empty_row_with_zero_loss_even_when_none_has_one(token_level):
+@pytest.mark.parametrize("loss_type", list(LOSS_REDUCTIONS))
+def test_a_completion_with_no_target_is_an_empty_row_with_zero_loss_even_when_none_has_one(loss_type):
     """Completion 1 has no trained target (every token masked out): its row is empty and its loss 0, the others' as
-    without it; with no target in the whole micro-batch, every row is empty and every loss 0 (not an index error)."""
+    without it; with no target in the whole micro-batch, every row is empty and every loss 0 (not an index error).
+    Every loss the asynchronous trainer runs on packed rows (`packed_policy_loss`)."""
+    options = {}
+    if loss_type == "vespo":
+        from trl import GRPOTrainer
+
+        options["gamma_weights"] = GRPOTrainer.get_gamma_weights
     logps, old = torch.tensor([-1.0, -2.0, -1.5], dtype=torch.float64), torch.tensor([-1.1, -2.0, -1.4],
                                                                                         dtype=torch.float64)
     advantages = torch.tensor([1.0, 1.0, -0.5], dtype=torch.float64)
-    with_empty = gspo_packed_loss(logps, old, advantages, torch.tensor([0, 0, 2]), num_segments=3,
-                                  token_level=token_level).per_sequence_loss
-    without = gspo_packed_loss(logps, old, advantages, torch.tensor([0, 0, 1]), token_level=token_level)
+    with_empty = packed_policy_loss(loss_type, logps, old, advantages, torch.tensor([0, 0, 2]), num_segments=3,
+                                    **options).per_sequence_loss
+    without = packed_policy_loss(loss_type, logps, old, advantages, torch.tensor([0, 0, 1]), **options)
     assert with_empty[1] == 0 and torch.equal(with_empty[[0, 2]], without.per_sequence_loss)
     nothing = torch.zeros(0, dtype=torch.float64, requires_grad=True)
-    empty = gspo_packed_loss(nothing, nothing.detach(), nothing.detach(), torch.zeros(0, dtype=torch.long),
-                             num_segments=2, token_level=token_level)
+    empty = packed_policy_loss(loss_type, nothing, nothing.detach(), nothing.detach(),
+                               torch.zeros(0, dtype=torch.long), num_segments=2, **options)
     assert empty.per_sequence_loss.tolist() == [0.0, 0.0] and empty.per_token_loss.shape == (2, 0)
