@@ -307,27 +307,6 @@ class GSPOConfig(GRPOConfig):
         validate_gspo_args(self)
 
 
-# Fields that `validate_gspo_args` compares, and their types: a wrong type fails here naming the field, not later
-# inside a comparison (`GSPOConfig(epsilon="3e-4")`). `None` is left to the defaults and to `validate_gspo_args`.
-_FIELD_TYPES = {"loss_type": (str, "a string", "'gspo'"), "importance_sampling_level": (str, "a string", "'sequence'"),
-                "routing_replay": (str, "a string", "'old'"), "routing_replay_offload": (bool, "a bool", "True"),
-                "merge_adapters_for_rollout": (bool, "a bool", "False"), "exact_lora_merge": (bool, "a bool", "False"),
-                "routing_replay_min_agreement": (numbers.Real, "a number", "0.75"),
-                "vllm_dtype": (str, "a string", "'float32'"),
-                "vllm_server_stall_timeout": (numbers.Real, "a number of seconds", "600"),
-                "rank_wait_timeout": (numbers.Real, "a number of seconds", "1200"), "old_logps": (str, "a string", "'sampler'"),
-                "epsilon": (numbers.Real, "a number", "3e-4"), "epsilon_high": (numbers.Real, "a number", "4e-4"),
-                "clip_band": (str, "a string", "'adaptive'"), "clip_band_target": (numbers.Real, "a number", "0.15"),
-                "clip_band_min": (numbers.Real, "a number", "1e-5"), "clip_band_max": (numbers.Real, "a number", "0.2"),
-                "beta": (numbers.Real, "a number", "0.0"), "delta": (numbers.Real, "a number", "1.5"),
-                "steps_per_generation": (numbers.Integral, "an integer", "4"),
-                "staleness_weight_cap": (numbers.Real, "a number", "2.0"),
-                **{name: (numbers.Real, "a number", example) for name, example in (
-                    ("sapo_temperature_pos", "1.0"), ("sapo_temperature_neg", "1.05"), ("vespo_k_pos", "2.0"),
-                    ("vespo_lambda_pos", "3.0"), ("vespo_k_neg", "3.0"), ("vespo_lambda_neg", "2.0"))},
-                "max_staleness": (numbers.Integral, "an integer", "4")}
-
-
 @dataclass(frozen=True)
 class Range:
     """The values a numeric option may take: above `low` (`low_open`: strictly), below `high` (likewise), or one of
@@ -390,6 +369,27 @@ NUMBER_RANGES = {
     "vespo_k_pos": Range(0, example="2.0"), "vespo_lambda_pos": Range(0, low_open=True, example="3.0"),
     "vespo_k_neg": Range(0, example="3.0"), "vespo_lambda_neg": Range(0, low_open=True, example="2.0"),
 }
+
+
+# Fields that `validate_gspo_args` compares, and their types: a wrong type fails here naming the field, not later
+# inside a comparison (`GSPOConfig(epsilon="3e-4")`). `None` is left to the defaults and to `validate_gspo_args`.
+_FIELD_TYPES = {"loss_type": (str, "a string", "'gspo'"), "importance_sampling_level": (str, "a string", "'sequence'"),
+                "routing_replay": (str, "a string", "'old'"), "routing_replay_offload": (bool, "a bool", "True"),
+                "merge_adapters_for_rollout": (bool, "a bool", "False"), "exact_lora_merge": (bool, "a bool", "False"),
+                "routing_replay_min_agreement": (numbers.Real, "a number", "0.75"),
+                "vllm_dtype": (str, "a string", "'float32'"),
+                "vllm_server_stall_timeout": (numbers.Real, "a number of seconds", "600"),
+                "rank_wait_timeout": (numbers.Real, "a number of seconds", "1200"), "old_logps": (str, "a string", "'sampler'"),
+                "epsilon": (numbers.Real, "a number", "3e-4"), "epsilon_high": (numbers.Real, "a number", "4e-4"),
+                "clip_band": (str, "a string", "'adaptive'"), "clip_band_target": (numbers.Real, "a number", "0.15"),
+                "clip_band_min": (numbers.Real, "a number", "1e-5"), "clip_band_max": (numbers.Real, "a number", "0.2"),
+                "beta": (numbers.Real, "a number", "0.0"), "delta": (numbers.Real, "a number", "1.5"),
+                "steps_per_generation": (numbers.Integral, "an integer", "4"),
+                "staleness_weight_cap": (numbers.Real, "a number", "2.0"),
+                **{name: (numbers.Real, "a number", NUMBER_RANGES[name].example) for name in (
+                    "sapo_temperature_pos", "sapo_temperature_neg", "vespo_k_pos", "vespo_lambda_pos", "vespo_k_neg",
+                    "vespo_lambda_neg")},
+                "max_staleness": (numbers.Integral, "an integer", "4")}
 
 
 def _check_types(args) -> None:
