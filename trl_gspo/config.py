@@ -372,7 +372,8 @@ NUMBER_RANGES = {
 
 
 # Fields that `validate_gspo_args` compares, and their types: a wrong type fails here naming the field, not later
-# inside a comparison (`GSPOConfig(epsilon="3e-4")`). `None` is left to the defaults and to `validate_gspo_args`.
+# inside a comparison (`GSPOConfig(epsilon="3e-4")`). `None` is left to the defaults and to `validate_gspo_args`. An
+# option with a range in NUMBER_RANGES takes its example from there (`None` here).
 _FIELD_TYPES = {"loss_type": (str, "a string", "'gspo'"), "importance_sampling_level": (str, "a string", "'sequence'"),
                 "routing_replay": (str, "a string", "'old'"), "routing_replay_offload": (bool, "a bool", "True"),
                 "merge_adapters_for_rollout": (bool, "a bool", "False"), "exact_lora_merge": (bool, "a bool", "False"),
@@ -384,9 +385,9 @@ _FIELD_TYPES = {"loss_type": (str, "a string", "'gspo'"), "importance_sampling_l
                 "clip_band": (str, "a string", "'adaptive'"), "clip_band_target": (numbers.Real, "a number", "0.15"),
                 "clip_band_min": (numbers.Real, "a number", "1e-5"), "clip_band_max": (numbers.Real, "a number", "0.2"),
                 "beta": (numbers.Real, "a number", "0.0"), "delta": (numbers.Real, "a number", "1.5"),
-                "steps_per_generation": (numbers.Integral, "an integer", "4"),
+                "steps_per_generation": (numbers.Integral, "an integer", None),
                 "staleness_weight_cap": (numbers.Real, "a number", "2.0"),
-                **{name: (numbers.Real, "a number", NUMBER_RANGES[name].example) for name in (
+                **{name: (numbers.Real, "a number", None) for name in (
                     "sapo_temperature_pos", "sapo_temperature_neg", "vespo_k_pos", "vespo_lambda_pos", "vespo_k_neg",
                     "vespo_lambda_neg")},
                 "max_staleness": (numbers.Integral, "an integer", "4")}
@@ -394,6 +395,7 @@ _FIELD_TYPES = {"loss_type": (str, "a string", "'gspo'"), "importance_sampling_l
 
 def _check_types(args) -> None:
     for name, (expected, kind, example) in _FIELD_TYPES.items():
+        example = NUMBER_RANGES[name].example if name in NUMBER_RANGES else example
         value = getattr(args, name, None)
         if value is not None and (not isinstance(value, expected) or (isinstance(value, bool) and expected is not bool)):
             raise TypeError(f"`{name}` must be {kind}, got {value!r} ({type(value).__name__}). Fix: pass {kind}, "
